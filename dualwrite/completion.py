@@ -1,0 +1,187 @@
+"""Finishing an in-doubt transaction from its prepared state: the heart of recovery.
+
+Used by :meth:`TwoPhaseProducer.complete_transaction` and by :func:`dualwrite.recover`. The rules:
+
+- The coordinator has an Ongoing transaction and it *is* the one the state names (same producer
+  id and epoch, and the anchor partition's open transaction starts at the anchor offset) → commit
+  it by (producer id, epoch).
+- It has an Ongoing transaction that is *not* the named one → abort that one.
+- The named transaction is no longer open → find out what happened to it: the record at the
+  anchor offset is visible to a read_committed reader iff it committed. Committed → nothing to do.
+  Aborted although the database decided commit → :class:`HeuristicAbortError`, never silence.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError
+from confluent_kafka import TopicPartition as CKTopicPartition
+
+from dualwrite.control_plane import ControlPlane, TopicPartition, TransactionDescription, TxnState
+from dualwrite.errors import (
+    FatalError,
+    HeuristicAbortError,
+    OutcomeUnknownError,
+    RetriableError,
+)
+from dualwrite.prepared_state import PreparedTxnState
+
+__all__ = ["Completion", "complete", "committed_at_anchor"]
+
+log = logging.getLogger(__name__)
+
+
+class Completion(enum.Enum):
+    """What completing a prepared state did."""
+
+    COMMITTED = "committed"
+    """The named transaction was still open and has now been committed."""
+    ALREADY_COMMITTED = "already-committed"
+    """The named transaction had committed before; nothing to do."""
+    ABORTED = "aborted"
+    """An open transaction that the state does not name was aborted."""
+    NOTHING = "nothing"
+    """No prepared state and nothing open."""
+
+
+def _wait_until_settled(cp: ControlPlane, tid: str, timeout_s: float
+                        ) -> TransactionDescription | None:
+    """Describe ``tid``, waiting while the coordinator is mid-way through writing markers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        desc = cp.describe_transaction(tid)
+        if desc is None or desc.state not in (TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT,
+                                              TxnState.PREPARE_EPOCH_FENCE):
+            return desc
+        if time.monotonic() > deadline:
+            raise RetriableError(f"transactional id {tid!r} stayed in {desc.state.value} for "
+                                 f"{timeout_s:g} s; retry recovery")
+        time.sleep(0.05)
+
+
+def names_open_transaction(cp: ControlPlane, desc: TransactionDescription,
+                           state: PreparedTxnState) -> bool:
+    """Whether the coordinator's Ongoing transaction is exactly the one ``state`` names."""
+    if state.is_empty or desc.state is not TxnState.ONGOING:
+        return False
+    if (desc.producer_id, desc.epoch) != (state.producer_id, state.epoch):
+        return False
+    anchor = state.anchor
+    if anchor is None:
+        # Java's "pid:epoch" form: unique only under KIP-890 part 2 epoch bumps.
+        log.warning("transactional_id=%s state %s has no anchor; matching by producer id and "
+                    "epoch alone", desc.transactional_id, state)
+        return True
+    tp = anchor.resolve(desc.partitions)
+    if tp is None or tp not in desc.partitions:
+        return False
+    producers = cp.describe_producers([tp]).get(tp, [])
+    return any(p.producer_id == state.producer_id and p.current_txn_start_offset == anchor.offset
+               for p in producers)
+
+
+def committed_at_anchor(consumer_config: Mapping[str, Any], tp: TopicPartition, offset: int,
+                        timeout_s: float = 30.0) -> bool:
+    """Whether the record at ``offset`` of ``tp`` is visible to a read_committed consumer.
+
+    An offset belongs to one producer batch, so this tells whether the transaction that wrote it
+    committed. Raises :class:`OutcomeUnknownError` when the answer cannot be read (the record was
+    deleted by retention, or another open transaction keeps the stable offset below it).
+    """
+    conf = {k: v for k, v in consumer_config.items() if not k.startswith("transaction")}
+    for key in ("transactional.id", "enable.idempotence", "acks", "linger.ms"):
+        conf.pop(key, None)
+    conf.update({
+        "group.id": f"dualwrite-verify-{uuid.uuid4().hex[:8]}",
+        "enable.auto.commit": False,
+        "isolation.level": "read_committed",
+        "enable.partition.eof": True,
+        "auto.offset.reset": "error",
+    })
+    consumer = Consumer(conf)
+    try:
+        low, _high = consumer.get_watermark_offsets(
+            CKTopicPartition(tp.topic, tp.partition), timeout=timeout_s)
+        if low > offset:
+            raise OutcomeUnknownError(
+                f"{tp} offset {offset} was deleted by retention (log start {low}); the outcome "
+                "of that transaction can no longer be read from Kafka")
+        consumer.assign([CKTopicPartition(tp.topic, tp.partition, offset)])
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.2)
+            if msg is None:
+                continue
+            err = msg.error()
+            if err is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    raise RetriableError(f"reading {tp} at {offset}: {err}")
+                position = consumer.position([CKTopicPartition(tp.topic, tp.partition)])[0].offset
+                if position != OFFSET_INVALID and position > offset:
+                    return False  # stable offset passed the anchor and nothing was returned
+                continue
+            msg_offset = msg.offset()
+            if msg_offset is not None and msg_offset >= offset:
+                return msg_offset == offset
+        raise OutcomeUnknownError(
+            f"could not read {tp} at offset {offset} within {timeout_s:g} s (an open transaction "
+            "may hold the last stable offset below it); retry recovery")
+    finally:
+        consumer.close()
+
+
+def complete(cp: ControlPlane, consumer_config: Mapping[str, Any], transactional_id: str,
+             state: PreparedTxnState, *, timeout_s: float = 30.0) -> Completion:
+    """Commit the transaction ``state`` names if it is open, abort any other open one.
+
+    Idempotent: running it again after success returns ``ALREADY_COMMITTED`` or ``NOTHING``.
+    Raises :class:`HeuristicAbortError` when the named transaction was aborted by Kafka.
+    """
+    tid = transactional_id
+    desc = _wait_until_settled(cp, tid, timeout_s)
+    aborted_other = False
+    if desc is not None and desc.state is TxnState.ONGOING:
+        if names_open_transaction(cp, desc, state):
+            log.info("commit in-doubt transaction transactional_id=%s producer_id=%d epoch=%d "
+                     "state=%s", tid, desc.producer_id, desc.epoch, state)
+            cp.end_transaction(tid, desc.producer_id, desc.epoch, commit=True)
+            return Completion.COMMITTED
+        log.info("abort open transaction not named by the prepared state transactional_id=%s "
+                 "producer_id=%d epoch=%d state=%r", tid, desc.producer_id, desc.epoch, str(state))
+        cp.end_transaction(tid, desc.producer_id, desc.epoch, commit=False)
+        aborted_other = True
+    if state.is_empty:
+        return Completion.ABORTED if aborted_other else Completion.NOTHING
+    if _named_transaction_committed(cp, consumer_config, tid, state, desc, timeout_s):
+        log.info("prepared transaction already committed transactional_id=%s producer_id=%d "
+                 "epoch=%d state=%s", tid, state.producer_id, state.epoch, state)
+        return Completion.ABORTED if aborted_other else Completion.ALREADY_COMMITTED
+    detail = "aborted by the broker"
+    if desc is not None and desc.producer_id == state.producer_id and desc.epoch > state.epoch:
+        detail = (f"the coordinator bumped the epoch to {desc.epoch} and the transaction is "
+                  f"{desc.state.value}: most likely it outlived transaction.timeout.ms "
+                  f"({desc.timeout_ms} ms)")
+    raise HeuristicAbortError(tid, str(state), detail)
+
+
+def _named_transaction_committed(cp: ControlPlane, consumer_config: Mapping[str, Any], tid: str,
+                                 state: PreparedTxnState, desc: TransactionDescription | None,
+                                 timeout_s: float) -> bool:
+    anchor = state.anchor
+    if anchor is None:
+        if desc is None:
+            raise OutcomeUnknownError(f"{tid!r}: the coordinator no longer knows this id and the "
+                                      f"state {state} has no anchor to check")
+        same = (desc.producer_id, desc.epoch) == (state.producer_id, state.epoch)
+        return same and desc.state is TxnState.COMPLETE_COMMIT
+    tp = anchor.resolve(desc.partitions if desc is not None else frozenset())
+    if tp is None:
+        raise FatalError(f"{tid!r}: the state names a hashed topic {anchor.topic} that the "
+                         "coordinator no longer lists; inspect by hand")
+    return committed_at_anchor(consumer_config, tp, anchor.offset, timeout_s)

@@ -1,0 +1,579 @@
+"""The transaction control plane: the coordinator RPCs that librdkafka does not expose.
+
+librdkafka (confluent-kafka) is dualwrite's data path. It cannot describe or list transactions,
+describe producers, end a transaction by (producer id, epoch) from another process, or send
+InitProducerId v6. This module does exactly those, on kafka-python 3's connection manager and
+generated protocol classes, so that no wire format is written by hand here.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import re
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import kafka.errors as kafka_errors
+from kafka import KafkaAdminClient
+from kafka.protocol.admin.transactions import (
+    DescribeProducersRequest,
+    DescribeTransactionsRequest,
+    ListTransactionsRequest,
+)
+from kafka.protocol.metadata import ApiVersionsRequest, CoordinatorType
+from kafka.protocol.producer.transaction import EndTxnRequest, InitProducerIdRequest
+
+from dualwrite.client_config import kafka_python_config
+from dualwrite.errors import BrokerUnreachableError, OutcomeUnknownError, RetriableError
+from dualwrite.kafka_errors import RetriableKafkaError, raise_for_code
+
+__all__ = [
+    "ActiveProducer",
+    "ApiRange",
+    "BrokerProbe",
+    "ControlPlane",
+    "ProbeResult",
+    "ProducerIdentity",
+    "TopicPartition",
+    "TransactionDescription",
+    "TransactionListing",
+    "TxnState",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# API keys used by the probe.
+_INIT_PRODUCER_ID = 22
+_END_TXN = 26
+_DESCRIBE_PRODUCERS = 61
+_DESCRIBE_TRANSACTIONS = 65
+_LIST_TRANSACTIONS = 66
+_TRANSACTIONAL_ID_NOT_FOUND = 105
+_NOT_COORDINATOR = 16
+_COORDINATOR_NOT_AVAILABLE = 15
+
+# EndTxn v5 is "transaction version 2" (KIP-890 part 2): the coordinator bumps the epoch on every
+# commit and only recognises a retry at the previous epoch. librdkafka starts its transactions on
+# the TV1 path (EndTxn <= v1, AddPartitionsToTxn v0), and the broker picks TV1 or TV2 by request
+# version alone, so finishing a librdkafka transaction with v5 would fence librdkafka's own later
+# EndTxn. v4 is the newest TV1 version.
+_END_TXN_TV1_MAX_VERSION = 4
+
+
+class TxnState(enum.Enum):
+    """Coordinator-side transaction states, as DescribeTransactions names them."""
+
+    EMPTY = "Empty"
+    ONGOING = "Ongoing"
+    PREPARE_COMMIT = "PrepareCommit"
+    PREPARE_ABORT = "PrepareAbort"
+    COMPLETE_COMMIT = "CompleteCommit"
+    COMPLETE_ABORT = "CompleteAbort"
+    DEAD = "Dead"
+    PREPARE_EPOCH_FENCE = "PrepareEpochFence"
+    UNKNOWN = "Unknown"
+
+    @classmethod
+    def parse(cls, text: str) -> TxnState:
+        try:
+            return cls(text)
+        except ValueError:
+            return cls.UNKNOWN
+
+    @property
+    def in_flight(self) -> bool:
+        """The coordinator is still working on this transaction (it pins the LSO)."""
+        return self in (TxnState.ONGOING, TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT,
+                        TxnState.PREPARE_EPOCH_FENCE)
+
+
+@dataclass(frozen=True, order=True)
+class TopicPartition:
+    topic: str
+    partition: int
+
+    def __str__(self) -> str:
+        return f"{self.topic}-{self.partition}"
+
+
+@dataclass(frozen=True)
+class ProducerIdentity:
+    producer_id: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class TransactionDescription:
+    """A transactional id as its coordinator sees it."""
+
+    transactional_id: str
+    state: TxnState
+    producer_id: int
+    epoch: int
+    timeout_ms: int
+    start_time_ms: int | None
+    partitions: frozenset[TopicPartition]
+    coordinator_id: int
+
+    def open_for_ms(self, now_ms: int | None = None) -> int | None:
+        """How long an in-flight transaction has been open (the KIP's open-time metric)."""
+        if not self.state.in_flight or self.start_time_ms is None:
+            return None
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        return max(0, now - self.start_time_ms)
+
+
+@dataclass(frozen=True)
+class TransactionListing:
+    transactional_id: str
+    producer_id: int
+    state: TxnState
+    broker_id: int
+
+
+@dataclass(frozen=True)
+class ActiveProducer:
+    """One producer's state on one partition (DescribeProducers)."""
+
+    producer_id: int
+    epoch: int
+    last_sequence: int
+    last_timestamp_ms: int
+    coordinator_epoch: int
+    current_txn_start_offset: int | None
+
+
+@dataclass(frozen=True)
+class ApiRange:
+    min_version: int
+    max_version: int
+
+
+@dataclass(frozen=True)
+class BrokerProbe:
+    node_id: int
+    host: str
+    port: int
+    software: str
+    api_versions: Mapping[int, ApiRange]
+    finalized_features: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What a cluster can do for two-phase commit; see ``dualwrite probe``."""
+
+    brokers: tuple[BrokerProbe, ...]
+    transaction_version: int | None
+    max_transaction_timeout_ms: int | None
+    two_phase_commit_enabled: bool | None
+    init_producer_id_max_version: int | None
+    enable_2pc: str
+    keep_prepared_txn: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "brokers": [
+                {
+                    "node_id": b.node_id,
+                    "address": f"{b.host}:{b.port}",
+                    "software": b.software,
+                    "finalized_features": dict(b.finalized_features),
+                    "api_versions": {
+                        str(k): [v.min_version, v.max_version]
+                        for k, v in sorted(b.api_versions.items())
+                    },
+                }
+                for b in self.brokers
+            ],
+            "transaction_version": self.transaction_version,
+            "max_transaction_timeout_ms": self.max_transaction_timeout_ms,
+            "transaction_two_phase_commit_enable": self.two_phase_commit_enabled,
+            "init_producer_id_max_version": self.init_producer_id_max_version,
+            "enable_2pc": self.enable_2pc,
+            "keep_prepared_txn": self.keep_prepared_txn,
+        }
+
+
+class ControlPlane:
+    """A typed client for the transaction RPCs; one instance per cluster, thread-safe.
+
+    ``config`` is the application's confluent-kafka configuration; only its connection and security
+    settings are used. Every call is bounded by ``timeout_s`` and retries only errors Kafka marks
+    retriable.
+    """
+
+    def __init__(self, config: Mapping[str, Any], *, timeout_s: float = 30.0) -> None:
+        self._timeout_s = timeout_s
+        kp = kafka_python_config(config)
+        kp.setdefault("client_id", "dualwrite-control-plane")
+        kp["request_timeout_ms"] = int(timeout_s * 1000)
+        kp["bootstrap_timeout_ms"] = int(timeout_s * 1000)
+        kp["reconnect_backoff_max_ms"] = 1000
+        self._servers = ",".join(kp["bootstrap_servers"])
+        try:
+            self._admin = KafkaAdminClient(**kp)
+        except kafka_errors.KafkaError as exc:
+            raise BrokerUnreachableError(
+                f"no Kafka broker answered at {self._servers} within {timeout_s:g} s ({exc!r}); "
+                "check bootstrap.servers and that the cluster is up (`dualwrite dev status`)"
+            ) from exc
+        self._manager = self._admin._manager
+
+    def close(self) -> None:
+        self._admin.close()
+
+    def __enter__(self) -> ControlPlane:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _run(self, coro: Callable[..., Awaitable[T]], *args: Any) -> T:
+        try:
+            result: T = self._manager.run(coro, *args)
+            return result
+        except kafka_errors.KafkaError as exc:
+            if isinstance(exc, (kafka_errors.KafkaConnectionError, kafka_errors.NodeNotReadyError,
+                                kafka_errors.NoBrokersAvailable, kafka_errors.KafkaTimeoutError,
+                                kafka_errors.RequestTimedOutError)):
+                raise BrokerUnreachableError(
+                    f"Kafka at {self._servers} did not answer ({exc!r}); retry when it is back"
+                ) from exc
+            code = getattr(exc, "errno", None)
+            if isinstance(code, int) and code > 0:
+                raise_for_code(code, str(exc))
+            raise RetriableError(f"Kafka request failed: {exc!r}") from exc
+
+    async def _coordinator(self, transactional_id: str) -> int:
+        node: int = await self._admin._find_coordinator_id(
+            transactional_id, key_type=CoordinatorType.TRANSACTION)
+        return node
+
+    async def _send(self, request: Any, node_id: int | None = None) -> Any:
+        return await self._manager.send(request, node_id=node_id)
+
+    async def _with_retries(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        """Run ``attempt`` until it succeeds, raises a non-retriable error, or time is up."""
+        deadline = time.monotonic() + self._timeout_s
+        delay = 0.05
+        while True:
+            try:
+                return await attempt()
+            except (RetriableKafkaError, kafka_errors.NodeNotReadyError,
+                    kafka_errors.KafkaConnectionError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise RetriableError(
+                        f"{what}: still failing after {self._timeout_s:g} s: {exc}") from exc
+                log.debug("%s: retrying after %s", what, exc)
+                await self._admin._net.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    # -- DescribeTransactions ------------------------------------------------------------------
+
+    def describe_transaction(self, transactional_id: str) -> TransactionDescription | None:
+        """The coordinator's view of one transactional id; None if it does not know the id."""
+        return self.describe_transactions([transactional_id]).get(transactional_id)
+
+    def describe_transactions(
+        self, transactional_ids: Iterable[str]
+    ) -> dict[str, TransactionDescription]:
+        """Describe many transactional ids, one request per coordinator; unknown ids are absent."""
+        ids = list(dict.fromkeys(transactional_ids))
+        return self._run(self._describe_transactions, ids) if ids else {}
+
+    async def _describe_transactions(self, ids: list[str]) -> dict[str, TransactionDescription]:
+        async def attempt() -> dict[str, TransactionDescription]:
+            coordinators = await self._admin._find_coordinator_ids(
+                ids, key_type=CoordinatorType.TRANSACTION)
+            by_node: dict[int, list[str]] = defaultdict(list)
+            for tid, node in coordinators.items():
+                by_node[node].append(tid)
+            out: dict[str, TransactionDescription] = {}
+            for node, tids in by_node.items():
+                response = await self._send(
+                    DescribeTransactionsRequest(transactional_ids=tids), node)
+                for txn in response.transaction_states:
+                    if txn.error_code == _TRANSACTIONAL_ID_NOT_FOUND:
+                        continue
+                    if txn.error_code in (_NOT_COORDINATOR, _COORDINATOR_NOT_AVAILABLE):
+                        self._forget_coordinator(txn.transactional_id)
+                    raise_for_code(txn.error_code,
+                                   f"DescribeTransactions({txn.transactional_id!r})")
+                    out[txn.transactional_id] = TransactionDescription(
+                        transactional_id=txn.transactional_id,
+                        state=TxnState.parse(txn.transaction_state),
+                        producer_id=txn.producer_id,
+                        epoch=txn.producer_epoch,
+                        timeout_ms=txn.transaction_timeout_ms,
+                        start_time_ms=(txn.transaction_start_time_ms
+                                       if txn.transaction_start_time_ms >= 0 else None),
+                        partitions=frozenset(
+                            TopicPartition(t.topic, p) for t in txn.topics for p in t.partitions),
+                        coordinator_id=node,
+                    )
+            return out
+
+        return await self._with_retries("DescribeTransactions", attempt)
+
+    def _forget_coordinator(self, transactional_id: str) -> None:
+        """Drop a cached coordinator after NOT_COORDINATOR so the retry looks it up again."""
+        self._manager.cluster._coordinators.pop(
+            (CoordinatorType.TRANSACTION, transactional_id), None)
+
+    # -- ListTransactions ----------------------------------------------------------------------
+
+    def list_transactions(
+        self,
+        *,
+        states: Iterable[TxnState] = (),
+        prefix: str | None = None,
+        producer_ids: Iterable[int] = (),
+    ) -> list[TransactionListing]:
+        """Transactions known to any coordinator, across all brokers.
+
+        ``prefix`` is sent as a regex pattern where the broker supports it (ListTransactions v2,
+        Kafka 4.1+) and always applied client-side as well.
+        """
+        return self._run(self._list_transactions, [s.value for s in states], prefix,
+                         list(producer_ids))
+
+    async def _list_transactions(self, states: list[str], prefix: str | None,
+                                 producer_ids: list[int]) -> list[TransactionListing]:
+        await self._manager.bootstrap_async(int(self._timeout_s * 1000))
+        brokers = [b.node_id for b in self._manager.cluster.brokers()]
+        out: list[TransactionListing] = []
+        for node in brokers:
+            kwargs: dict[str, Any] = {"state_filters": states, "producer_id_filters": producer_ids}
+            versions = self._manager.broker_version_data.api_versions or {}
+            if prefix is not None and versions.get(_LIST_TRANSACTIONS, (0, 0))[1] >= 2:
+                kwargs["transactional_id_pattern"] = "^" + re.escape(prefix) + ".*"
+                kwargs["min_version"] = 2
+            response = await self._send(ListTransactionsRequest(**kwargs), node)
+            raise_for_code(response.error_code, f"ListTransactions on broker {node}")
+            for txn in response.transaction_states:
+                if prefix is not None and not txn.transactional_id.startswith(prefix):
+                    continue
+                out.append(TransactionListing(txn.transactional_id, txn.producer_id,
+                                              TxnState.parse(txn.transaction_state), node))
+        return out
+
+    # -- DescribeProducers ---------------------------------------------------------------------
+
+    def describe_producers(
+        self, partitions: Iterable[TopicPartition]
+    ) -> dict[TopicPartition, list[ActiveProducer]]:
+        """Active producers of each partition, asked of its leader."""
+        parts = sorted(set(partitions))
+        return self._run(self._describe_producers, parts) if parts else {}
+
+    async def _describe_producers(
+        self, parts: list[TopicPartition]
+    ) -> dict[TopicPartition, list[ActiveProducer]]:
+        from kafka.structs import TopicPartition as KTopicPartition
+
+        async def attempt() -> dict[TopicPartition, list[ActiveProducer]]:
+            leaders = await self._admin._async_get_leader_for_partitions(
+                [KTopicPartition(p.topic, p.partition) for p in parts])
+            out: dict[TopicPartition, list[ActiveProducer]] = {}
+            for leader, tps in leaders.items():
+                by_topic: dict[str, list[int]] = defaultdict(list)
+                for tp in tps:
+                    by_topic[tp.topic].append(tp.partition)
+                request = DescribeProducersRequest(topics=[
+                    DescribeProducersRequest.TopicRequest(name=t, partition_indexes=ps)
+                    for t, ps in by_topic.items()])
+                response = await self._send(request, leader)
+                for topic in response.topics:
+                    for part in topic.partitions:
+                        tp_ = TopicPartition(topic.name, part.partition_index)
+                        if part.error_code:
+                            self._manager.cluster.request_update()
+                        raise_for_code(part.error_code, f"DescribeProducers({tp_})")
+                        out[tp_] = [
+                            ActiveProducer(
+                                producer_id=p.producer_id,
+                                epoch=p.producer_epoch,
+                                last_sequence=p.last_sequence,
+                                last_timestamp_ms=p.last_timestamp,
+                                coordinator_epoch=p.coordinator_epoch,
+                                current_txn_start_offset=(p.current_txn_start_offset
+                                                          if p.current_txn_start_offset >= 0
+                                                          else None),
+                            )
+                            for p in part.active_producers
+                        ]
+            return out
+
+        return await self._with_retries("DescribeProducers", attempt)
+
+    # -- EndTxn --------------------------------------------------------------------------------
+
+    def end_transaction(self, transactional_id: str, producer_id: int, epoch: int,
+                        commit: bool) -> None:
+        """Commit or abort the transaction that (producer id, epoch) has open, from any process.
+
+        This is how a restarted process resumes a prepared transaction on brokers without
+        KIP-939 (Flink's KafkaSink recovers the same way). Returns when the coordinator accepted
+        the decision. A repeated commit of a committed transaction succeeds; commit after abort
+        or abort after commit raises (INVALID_TXN_STATE); a stale epoch raises a fenced error.
+        If the request was sent and no answer came, raises :class:`OutcomeUnknownError` — ask
+        :meth:`describe_transaction`, never assume.
+        """
+        verb = "commit" if commit else "abort"
+        what = (f"EndTxn({verb}) transactional_id={transactional_id} producer_id={producer_id} "
+                f"epoch={epoch}")
+        log.info("%s", what)
+        self._run(self._end_transaction, transactional_id, producer_id, epoch, commit, what)
+
+    async def _end_transaction(self, tid: str, pid: int, epoch: int, commit: bool,
+                               what: str) -> None:
+        async def attempt() -> None:
+            node = await self._coordinator(tid)
+            request = EndTxnRequest(transactional_id=tid, producer_id=pid, producer_epoch=epoch,
+                                    committed=commit, max_version=_END_TXN_TV1_MAX_VERSION)
+            try:
+                response = await self._send(request, node)
+            except (kafka_errors.KafkaTimeoutError, kafka_errors.RequestTimedOutError,
+                    kafka_errors.KafkaConnectionError) as exc:
+                if commit:
+                    raise OutcomeUnknownError(
+                        f"{what}: sent, but no answer ({exc!r}); the outcome is unknown — "
+                        "run `dualwrite recover`, which asks the coordinator") from exc
+                raise
+            if response.error_code in (_NOT_COORDINATOR, _COORDINATOR_NOT_AVAILABLE):
+                self._forget_coordinator(tid)
+            # CONCURRENT_TRANSACTIONS while the previous marker write completes: retriable.
+            raise_for_code(response.error_code, what)
+
+        await self._with_retries(what, attempt)
+
+    # -- InitProducerId ------------------------------------------------------------------------
+
+    def fence(self, transactional_id: str, *, transaction_timeout_ms: int = 60_000
+              ) -> ProducerIdentity:
+        """Bump the epoch of ``transactional_id``, aborting its open transaction.
+
+        This is the KIP's forceTerminateTransaction: InitProducerId without producer id/epoch.
+        Any producer still using the old epoch is fenced.
+        """
+        log.warning("fencing transactional_id=%s (aborts its open transaction)", transactional_id)
+        identity = self._run(self._init_producer_id, transactional_id, transaction_timeout_ms,
+                             None, False, False)
+        log.info("fenced transactional_id=%s producer_id=%d epoch=%d", transactional_id,
+                 identity.producer_id, identity.epoch)
+        return identity
+
+    async def _init_producer_id(self, tid: str, timeout_ms: int, version: int | None,
+                                enable_2pc: bool, keep_prepared: bool) -> ProducerIdentity:
+        async def attempt() -> ProducerIdentity:
+            node = await self._coordinator(tid)
+            fields: dict[str, Any] = {"transactional_id": tid,
+                                      "transaction_timeout_ms": timeout_ms}
+            if version is not None and version >= 6:
+                fields.update(enable_2pc=enable_2pc, keep_prepared_txn=keep_prepared)
+            request = (InitProducerIdRequest[version](**fields) if version is not None
+                       else InitProducerIdRequest(**fields, max_version=5))
+            response = await self._send(request, node)
+            if response.error_code in (_NOT_COORDINATOR, _COORDINATOR_NOT_AVAILABLE):
+                self._forget_coordinator(tid)
+            raise_for_code(response.error_code, f"InitProducerId({tid!r})")
+            return ProducerIdentity(response.producer_id, response.producer_epoch)
+
+        return await self._with_retries(f"InitProducerId({tid!r})", attempt)
+
+    # -- probe ---------------------------------------------------------------------------------
+
+    def probe(self, *, probe_transactional_id: str = "dualwrite-probe",
+              check_2pc: bool = True) -> ProbeResult:
+        """What the cluster supports: versions, transaction.version, and KIP-939 (2PC) support.
+
+        With ``check_2pc`` it sends InitProducerId v6 on ``probe_transactional_id`` (an id no
+        application uses: it is fenced in the process) to learn whether Enable2Pc and
+        KeepPreparedTxn are accepted.
+        """
+        brokers = self._run(self._probe_brokers)
+        ipid = min((b.api_versions[_INIT_PRODUCER_ID].max_version for b in brokers
+                    if _INIT_PRODUCER_ID in b.api_versions), default=None)
+        tv = min((b.finalized_features.get("transaction.version", 0) for b in brokers),
+                 default=None)
+        configs = self._broker_configs(brokers[0].node_id) if brokers else {}
+        max_timeout = configs.get("transaction.max.timeout.ms")
+        two_pc_cfg = configs.get("transaction.two.phase.commit.enable")
+        enable_2pc = keep = "not tried"
+        if check_2pc:
+            if ipid is None or ipid < 6:
+                enable_2pc = keep = (f"unsupported: brokers offer InitProducerId up to v{ipid} "
+                                     "(v6 needs unstable.api.versions.enable=true)")
+            else:
+                enable_2pc = self._try_init_v6(probe_transactional_id, True, False)
+                keep = self._try_init_v6(probe_transactional_id, True, True)
+        return ProbeResult(
+            brokers=tuple(brokers),
+            transaction_version=tv,
+            max_transaction_timeout_ms=int(max_timeout) if max_timeout else None,
+            two_phase_commit_enabled=(two_pc_cfg.lower() == "true") if two_pc_cfg else None,
+            init_producer_id_max_version=ipid,
+            enable_2pc=enable_2pc,
+            keep_prepared_txn=keep,
+        )
+
+    def init_producer_id_v6(self, transactional_id: str, *, enable_2pc: bool,
+                            keep_prepared_txn: bool, transaction_timeout_ms: int = 60_000
+                            ) -> ProducerIdentity:
+        """Send InitProducerId v6 (KIP-939) as is; raises the broker's error if it refuses."""
+        return self._run(self._init_producer_id, transactional_id, transaction_timeout_ms, 6,
+                         enable_2pc, keep_prepared_txn)
+
+    def _try_init_v6(self, tid: str, enable_2pc: bool, keep: bool) -> str:
+        try:
+            ident = self.init_producer_id_v6(tid, enable_2pc=enable_2pc, keep_prepared_txn=keep)
+        except Exception as exc:
+            info = getattr(exc, "info", None)
+            return f"rejected: {info.name if info else exc}"
+        return f"accepted (producer_id={ident.producer_id}, epoch={ident.epoch})"
+
+    async def _probe_brokers(self) -> list[BrokerProbe]:
+        await self._manager.bootstrap_async(int(self._timeout_s * 1000))
+        out: list[BrokerProbe] = []
+        for broker in sorted(self._manager.cluster.brokers(), key=lambda b: b.node_id):
+            response = await self._send(ApiVersionsRequest(
+                client_software_name="dualwrite", client_software_version="0.1.0"),
+                broker.node_id)
+            raise_for_code(response.error_code, f"ApiVersions on broker {broker.node_id}")
+            apis = {k.api_key: ApiRange(k.min_version, k.max_version) for k in response.api_keys}
+            features = {f.name: f.max_version_level
+                        for f in (getattr(response, "finalized_features", None) or [])}
+            conn = self._manager._conns.get(broker.node_id)
+            bvd = getattr(conn, "broker_version_data", None)
+            software = f"Apache Kafka {bvd.broker_version_str}" if bvd else "unknown"
+            out.append(BrokerProbe(broker.node_id, broker.host, broker.port,
+                                   software, apis, features))
+        return out
+
+    def _broker_configs(self, node_id: int) -> dict[str, str]:
+        from kafka.admin import ConfigResource, ConfigResourceType
+
+        try:
+            result = self._admin.describe_configs(
+                [ConfigResource(ConfigResourceType.BROKER, str(node_id))], config_filter="all")
+        except kafka_errors.KafkaError as exc:
+            log.info("cannot read broker configs (%r); continuing without them", exc)
+            return {}
+        out: dict[str, str] = {}
+        for by_name in (result or {}).values():
+            for configs in by_name.values():
+                for key, data in configs.items():
+                    value = data.get("value") if isinstance(data, dict) else data
+                    if value is not None:
+                        out[key] = str(value)
+        return out
+

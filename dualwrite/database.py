@@ -1,0 +1,278 @@
+"""Engines and schema management for the database side of a dual write.
+
+- :func:`create_engine` makes an engine whose transactions behave the way dualwrite needs: on SQLite
+  every transaction starts with ``BEGIN IMMEDIATE`` (the writer holds SQLite's write lock from the
+  first statement on, which is SQLite's stand-in for the per-transactional-id row lock), and
+  ``postgresql://`` URLs use psycopg 3.
+- :func:`upgrade_database`, :func:`current_revision` and :func:`check_schema` manage dualwrite's own
+  tables with Alembic, using the version table ``dualwrite_alembic_version`` so that the
+  application's own Alembic history is never touched.
+- :func:`transaction` opens a short transaction and turns connection failures into
+  :class:`~dualwrite.errors.DatabaseUnreachableError`.
+
+Credentials never appear in messages or logs: URLs are always rendered with the password masked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import shlex
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine, event
+from sqlalchemy.engine import URL, make_url
+
+from dualwrite.errors import DatabaseUnreachableError, MigrationRequiredError
+
+__all__ = [
+    "MIGRATION_LOCK_KEY",
+    "SQLITE_BEGIN_OPTION",
+    "STATE_TABLE",
+    "VERSION_TABLE",
+    "check_schema",
+    "create_engine",
+    "current_revision",
+    "head_revision",
+    "mask_url",
+    "migrations_dir",
+    "normalize_url",
+    "upgrade_command",
+    "upgrade_database",
+    "transaction",
+    "uses_begin_immediate",
+]
+
+logger = logging.getLogger(__name__)
+
+#: dualwrite's state table, created by migration 0001.
+STATE_TABLE = "dualwrite_transaction_state"
+#: Alembic version table of dualwrite's own migrations (never the application's ``alembic_version``).
+VERSION_TABLE = "dualwrite_alembic_version"
+#: PostgreSQL advisory-lock key held while migrating, so that concurrent upgrades run one at a time.
+MIGRATION_LOCK_KEY = 0x6477_6D69_6772_6174  # "dwmigrat"
+#: Connection execution option naming the SQLite BEGIN mode: "IMMEDIATE" (default) or "DEFERRED".
+SQLITE_BEGIN_OPTION = "dualwrite_sqlite_begin"
+
+DEFAULT_SQLITE_BUSY_TIMEOUT_S = 30.0
+DEFAULT_PG_CONNECT_TIMEOUT_S = 10
+
+_SQLITE_BEGIN_MODES = frozenset({"DEFERRED", "IMMEDIATE", "EXCLUSIVE"})
+_IMMEDIATE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def normalize_url(url: str | URL) -> URL:
+    """Parse ``url``; ``postgresql://`` and ``postgres://`` become ``postgresql+psycopg://``."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def mask_url(url: str | URL) -> str:
+    """The URL as text with its password replaced by ``***``: safe for messages and logs."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def upgrade_command(url: str | URL) -> str:
+    """The shell command that installs or upgrades dualwrite's tables (password masked)."""
+    return f"dualwrite db upgrade --db {shlex.quote(mask_url(url))}"
+
+
+def create_engine(url: str | URL, **kw: Any) -> Engine:
+    """Create a SQLAlchemy engine configured for dualwrite.
+
+    SQLite: busy timeout (30 s unless ``connect_args={"timeout": ...}``), WAL journal, and every
+    transaction begins with ``BEGIN IMMEDIATE`` so a writer takes the database write lock at its
+    start. A connection may ask for a plain deferred BEGIN (for read-only work) with
+    ``conn.execution_options(dualwrite_sqlite_begin="DEFERRED")`` before it begins.
+
+    PostgreSQL: ``postgresql://`` means psycopg 3; ``connect_timeout`` defaults to 10 s and
+    ``pool_pre_ping`` to True, so a restarted server costs a reconnect, not an error.
+
+    Other keyword arguments go to :func:`sqlalchemy.create_engine`.
+    """
+    parsed = normalize_url(url)
+    backend = parsed.get_backend_name()
+    connect_args: dict[str, Any] = dict(kw.pop("connect_args", None) or {})
+    if backend == "sqlite":
+        connect_args.setdefault("timeout", DEFAULT_SQLITE_BUSY_TIMEOUT_S)
+        engine = sa.create_engine(parsed, connect_args=connect_args, **kw)
+        _install_sqlite_hooks(engine)
+        return engine
+    if backend == "postgresql":
+        if "connect_timeout" not in parsed.query:
+            connect_args.setdefault("connect_timeout", DEFAULT_PG_CONNECT_TIMEOUT_S)
+        kw.setdefault("pool_pre_ping", True)
+    return sa.create_engine(parsed, connect_args=connect_args, **kw)
+
+
+def _install_sqlite_hooks(engine: Engine) -> None:
+    """SQLAlchemy's pysqlite recipe: the driver emits no BEGIN; we emit BEGIN IMMEDIATE ourselves."""
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Stop the sqlite3 module from issuing its own (deferred, lazily placed) BEGIN.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")  # an in-memory database stays "memory"
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        mode = str(conn.get_execution_options().get(SQLITE_BEGIN_OPTION, "IMMEDIATE")).upper()
+        if mode not in _SQLITE_BEGIN_MODES:
+            raise ValueError(f"{SQLITE_BEGIN_OPTION} must be one of {sorted(_SQLITE_BEGIN_MODES)}")
+        conn.exec_driver_sql(f"BEGIN {mode}")
+
+    _IMMEDIATE_ENGINES.add(engine)
+
+
+def uses_begin_immediate(engine: Engine) -> bool:
+    """True if ``engine`` is a SQLite engine made by :func:`create_engine` (BEGIN IMMEDIATE)."""
+    return engine in _IMMEDIATE_ENGINES
+
+
+def _unreachable(url: URL, exc: BaseException) -> DatabaseUnreachableError:
+    """The error for a failed connection; the driver's text is kept, the password scrubbed."""
+    lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    detail = lines[0] if lines else type(exc).__name__
+    if url.password:
+        detail = detail.replace(str(url.password), "***")
+    return DatabaseUnreachableError(f"cannot reach the database {mask_url(url)}: {detail}")
+
+
+@contextmanager
+def transaction(engine: Engine, *, read_only: bool = False) -> Iterator[Connection]:
+    """A short transaction of its own: commit on success, roll back on error.
+
+    Failing to connect, or losing the connection inside the block, raises
+    :class:`DatabaseUnreachableError`. ``read_only`` only matters on SQLite, where it begins a
+    deferred transaction that does not wait for (or block) writers.
+    """
+    try:
+        conn = engine.connect()
+    except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
+        raise _unreachable(engine.url, exc) from exc
+    with conn:
+        if read_only and engine.dialect.name == "sqlite":
+            conn.execution_options(**{SQLITE_BEGIN_OPTION: "DEFERRED"})
+        try:
+            with conn.begin():
+                yield conn
+        except sa.exc.DBAPIError as exc:
+            if exc.connection_invalidated:
+                raise _unreachable(engine.url, exc) from exc
+            raise
+
+
+def migrations_dir() -> Path:
+    """Where dualwrite's Alembic environment lives.
+
+    Installed (wheel or editable): the package ``dualwrite._migrations``. Running from a source
+    checkout without installing: the top-level ``migrations/`` directory next to ``dualwrite/``.
+    """
+    spec = importlib.util.find_spec("dualwrite._migrations")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            if (Path(location) / "env.py").is_file():
+                return Path(location)
+    checkout = Path(__file__).resolve().parent.parent / "migrations"
+    if (checkout / "env.py").is_file():
+        return checkout
+    raise MigrationRequiredError(
+        "dualwrite's migration scripts are missing from this installation; reinstall dualwrite"
+    )
+
+
+def _alembic_config() -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()).replace("%", "%%"))
+    return cfg
+
+
+def head_revision() -> str:
+    """The newest schema revision this version of dualwrite knows."""
+    head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
+    if head is None:  # pragma: no cover - the package always ships revision 0001
+        raise MigrationRequiredError("dualwrite ships no migration revisions; reinstall dualwrite")
+    return head
+
+
+def upgrade_database(url_or_engine: str | URL | Engine, revision: str = "head") -> str | None:
+    """Create or upgrade dualwrite's tables to ``revision``; safe to run again and concurrently.
+
+    Returns the revision the database is at afterwards.
+    """
+    owned = not isinstance(url_or_engine, Engine)
+    engine = create_engine(url_or_engine) if not isinstance(url_or_engine, Engine) else url_or_engine
+    try:
+        logger.info("upgrading dualwrite schema of %s to %s", mask_url(engine.url), revision)
+        cfg = _alembic_config()
+        with transaction(engine) as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, revision)
+        return current_revision(engine)
+    finally:
+        if owned:
+            engine.dispose()
+
+
+def current_revision(engine: Engine) -> str | None:
+    """dualwrite's schema revision in this database, or None if dualwrite's tables were never made."""
+    with transaction(engine, read_only=True) as conn:
+        ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+        return ctx.get_current_revision()
+
+
+def _state_table_present(engine: Engine) -> bool:
+    with transaction(engine, read_only=True) as conn:
+        inspector = sa.inspect(conn)
+        if not inspector.has_table(STATE_TABLE):
+            return False
+        columns = {c["name"] for c in inspector.get_columns(STATE_TABLE)}
+    return {"transactional_id", "prepared_txn_state", "updated_at"} <= columns
+
+
+def check_schema(engine: Engine) -> None:
+    """Raise :class:`MigrationRequiredError` unless dualwrite's tables are present and current.
+
+    A state table that the application created through its own Alembic (so without
+    ``dualwrite_alembic_version``) is accepted as long as it has the expected columns.
+    """
+    current = current_revision(engine)
+    head = head_revision()
+    if current == head:
+        return
+    where = mask_url(engine.url)
+    if current is None:
+        if _state_table_present(engine):
+            logger.debug("%s is managed outside dualwrite's migrations; accepting it", STATE_TABLE)
+            return
+        message = (
+            f"the dualwrite tables are missing from {where}. "
+            f"Create them with: {upgrade_command(engine.url)}"
+        )
+    elif current in {s.revision for s in ScriptDirectory.from_config(_alembic_config()).walk_revisions()}:
+        message = (
+            f"the dualwrite schema in {where} is at revision {current}, this dualwrite needs {head}. "
+            f"Upgrade it with: {upgrade_command(engine.url)}"
+        )
+    else:
+        message = (
+            f"the dualwrite schema in {where} is at revision {current!r}, which this dualwrite does "
+            f"not know (its newest is {head}); the database was upgraded by a newer dualwrite. "
+            "Upgrade the dualwrite package."
+        )
+    raise MigrationRequiredError(message)

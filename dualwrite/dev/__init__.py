@@ -1,0 +1,26 @@
+"""Local development servers: a real Apache Kafka cluster and a PostgreSQL server on loopback.
+
+Used by the test suite (``tests/conftest.py``) and by ``dualwrite dev up|status|down``.
+"""
+
+from __future__ import annotations
+
+from dualwrite.dev._util import DevClusterError, docker_available, dualwrite_home
+from dualwrite.dev.kafka_cluster import (
+    DEFAULT_KAFKA_VERSION,
+    BrokerNode,
+    LocalKafkaCluster,
+    transactional_defaults,
+)
+from dualwrite.dev.postgres_cluster import LocalPostgres
+
+__all__ = [
+    "DEFAULT_KAFKA_VERSION",
+    "BrokerNode",
+    "DevClusterError",
+    "LocalKafkaCluster",
+    "LocalPostgres",
+    "docker_available",
+    "dualwrite_home",
+    "transactional_defaults",
+]

@@ -1,0 +1,686 @@
+"""A throwaway Apache Kafka cluster (KRaft) on loopback, for tests and local development.
+
+Two backends: ``jars`` runs ``kafka.Kafka`` on the local JVM with jars resolved by Maven (no
+Kafka download, no Docker); ``docker`` runs the official ``apache/kafka`` image. Every node is
+broker and controller at once, with a static controller quorum, which keeps the cluster small
+while still letting tests kill and restart a node.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Literal, cast
+
+from dualwrite.dev._util import (
+    DevClusterError,
+    docker_available,
+    free_ports,
+    parent_death_signal,
+    pid_alive,
+    port_open,
+    tail,
+    terminate_pid,
+)
+from dualwrite.dev.maven import kafka_classpath, logging_flavour, major_version
+
+__all__ = [
+    "DEFAULT_KAFKA_VERSION",
+    "Backend",
+    "BrokerNode",
+    "LocalKafkaCluster",
+    "transactional_defaults",
+]
+
+log = logging.getLogger(__name__)
+
+Backend = Literal["auto", "jars", "docker"]
+DEFAULT_KAFKA_VERSION = "4.3.1"
+DOCKER_IMAGE = "apache/kafka"
+_MAIN_CLASS = "kafka.Kafka"
+_STOP_TIMEOUT_S = 20.0
+_DOCKER_LABEL = "dualwrite.dev=kafka"
+
+
+def transactional_defaults(brokers: int) -> dict[str, str]:
+    """Broker settings chosen for transactional tests; see docs/dev-cluster.md for the reasons."""
+    rf = min(brokers, 3)
+    min_isr = max(1, min(rf - 1, 2))
+    return {
+        "offsets.topic.replication.factor": str(rf),
+        "offsets.topic.num.partitions": "10",
+        "transaction.state.log.replication.factor": str(rf),
+        "transaction.state.log.min.isr": str(min_isr),
+        "transaction.state.log.num.partitions": "10",
+        "default.replication.factor": str(rf),
+        "min.insync.replicas": str(min_isr),
+        "transaction.max.timeout.ms": "3600000",
+        "transaction.abort.timed.out.transaction.cleanup.interval.ms": "1000",
+        "group.initial.rebalance.delay.ms": "0",
+        "auto.create.topics.enable": "false",
+        "num.partitions": "3",
+    }
+
+
+def _share_group_defaults(brokers: int, kafka_version: str) -> dict[str, str]:
+    # Kafka 4.x creates __share_group_state with RF 3 on first use; give it the cluster's RF.
+    if major_version(kafka_version) < 4:
+        return {}
+    rf = min(brokers, 3)
+    return {
+        "share.coordinator.state.topic.replication.factor": str(rf),
+        "share.coordinator.state.topic.min.isr": str(max(1, min(rf - 1, 2))),
+    }
+
+
+def new_cluster_id() -> str:
+    """A random KRaft cluster id: a UUID in URL-safe base64 without padding (22 characters)."""
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cid.startswith("-"):  # the storage tool would read it as an option
+            return cid
+
+
+@dataclass
+class BrokerNode:
+    """One broker+controller process (or container) of the cluster."""
+
+    index: int
+    node_id: int
+    port: int
+    controller_port: int
+    directory: str = ""
+    pid: int | None = None
+    container: str | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+_LOG4J2 = """\
+status = warn
+appender.out.type = Console
+appender.out.name = OUT
+appender.out.layout.type = PatternLayout
+appender.out.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = INFO
+rootLogger.appenderRef.out.ref = OUT
+logger.state.name = state.change.logger
+logger.state.level = WARN
+logger.request.name = kafka.request.logger
+logger.request.level = WARN
+"""
+
+_LOG4J1 = """\
+log4j.rootLogger=INFO, out
+log4j.appender.out=org.apache.log4j.ConsoleAppender
+log4j.appender.out.layout=org.apache.log4j.PatternLayout
+log4j.appender.out.layout.ConversionPattern=[%d] %p %m (%c)%n
+log4j.logger.state.change.logger=WARN
+log4j.logger.kafka.request.logger=WARN
+"""
+
+
+def _find_java() -> str:
+    java_home = os.environ.get("JAVA_HOME")
+    if java_home and (Path(java_home) / "bin" / "java").is_file():
+        return str(Path(java_home) / "bin" / "java")
+    java = shutil.which("java")
+    if java is None:
+        raise DevClusterError(
+            "java not found: install OpenJDK 17 (e.g. `apt-get install openjdk-17-jre-headless`) "
+            "or set JAVA_HOME; Kafka 4.x brokers need Java 17 or newer"
+        )
+    return java
+
+
+def _docker_env_name(prop: str) -> str:
+    # The apache/kafka image maps KAFKA_A_B__C___D to a.b_c-d.
+    return "KAFKA_" + prop.replace("_", "__").replace("-", "___").replace(".", "_").upper()
+
+
+def _write_properties(path: Path, props: Mapping[str, str]) -> None:
+    lines = [f"{k}={v}" for k, v in props.items()]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _run(cmd: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+class LocalKafkaCluster:
+    """Start, stop, kill and restart a local KRaft Kafka cluster on free loopback ports.
+
+    Use as a context manager, or call :meth:`start` and :meth:`stop`. With ``detach=True``
+    (used by ``dualwrite dev up``) the brokers outlive this process; :meth:`save_state` and
+    :meth:`from_state` let another process find and stop them.
+    """
+
+    def __init__(
+        self,
+        brokers: int = 1,
+        kafka_version: str = DEFAULT_KAFKA_VERSION,
+        data_dir: Path | None = None,
+        extra_config: Mapping[str, str] | None = None,
+        backend: Backend = "auto",
+        *,
+        detach: bool = False,
+        heap: str = "512m",
+        startup_timeout: float = 120.0,
+    ) -> None:
+        if brokers < 1:
+            raise ValueError("brokers must be at least 1")
+        if backend not in ("auto", "jars", "docker"):
+            raise ValueError(f"backend must be 'auto', 'jars' or 'docker', not {backend!r}")
+        major_version(kafka_version)
+        self.brokers = brokers
+        self.kafka_version = kafka_version
+        self.extra_config: dict[str, str] = dict(extra_config or {})
+        self.requested_backend: Backend = backend
+        self.backend: Literal["jars", "docker"] | None = None
+        self.detach = detach
+        self.heap = heap
+        self.startup_timeout = startup_timeout
+        self.cluster_id = new_cluster_id()
+        self.nodes: list[BrokerNode] = []
+        self.network: str | None = None
+        self._given_data_dir = data_dir
+        self.data_dir: Path | None = data_dir
+        self._classpath: str | None = None
+        self._java: str | None = None
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"LocalKafkaCluster(brokers={self.brokers}, kafka_version={self.kafka_version!r}, "
+            f"backend={self.backend or self.requested_backend!r}, "
+            f"bootstrap_servers={self.bootstrap_servers if self.nodes else None!r})"
+        )
+
+    def __enter__(self) -> LocalKafkaCluster:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def bootstrap_servers(self) -> str:
+        """``"127.0.0.1:port,..."`` of every broker."""
+        if not self.nodes:
+            raise DevClusterError("the cluster is not started: call start() first")
+        return ",".join(n.address for n in self.nodes)
+
+    def broker_config(self, index: int) -> dict[str, str]:
+        """The full ``server.properties`` of broker ``index`` (jar backend layout)."""
+        node = self.nodes[index]
+        voters = ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in self.nodes)
+        props = {
+            "process.roles": "broker,controller",
+            "node.id": str(node.node_id),
+            "controller.quorum.voters": voters,
+            "listeners": (
+                f"PLAINTEXT://127.0.0.1:{node.port},CONTROLLER://127.0.0.1:{node.controller_port}"
+            ),
+            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{node.port}",
+            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "controller.listener.names": "CONTROLLER",
+            "log.dirs": str(Path(node.directory) / "data"),
+        }
+        props.update(self._settings())
+        return props
+
+    def start(self) -> None:
+        """Start every node and wait until all brokers serve metadata; raise with log tails."""
+        if self.nodes:
+            raise DevClusterError("the cluster is already started")
+        self.backend = self._choose_backend()
+        started = time.monotonic()
+        try:
+            if self.backend == "docker":
+                self._start_docker()
+            else:
+                self._start_jars()
+            self.wait_until_ready(self.startup_timeout)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.stop()
+            raise
+        log.info(
+            "Kafka %s (%d broker(s), %s backend) ready at %s in %.1f s",
+            self.kafka_version, self.brokers, self.backend, self.bootstrap_servers,
+            time.monotonic() - started,
+        )  # fmt: skip
+
+    def stop(self, keep_data: bool = False) -> None:
+        """Shut every broker down (SIGTERM, then SIGKILL after a grace period), remove the data."""
+        if self.backend == "docker":
+            self._stop_docker()
+        else:
+            for node in self.nodes:
+                if node.pid is not None and pid_alive(node.pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(node.pid, 15)
+            for node in self.nodes:
+                self._wait_stopped(node, _STOP_TIMEOUT_S)
+        self._procs.clear()
+        if not keep_data:
+            self._remove_data()
+        self.nodes = []
+
+    def kill_broker(self, index: int) -> None:
+        """Kill broker ``index`` with SIGKILL (no controlled shutdown) and wait until it is gone."""
+        node = self.nodes[index]
+        if self.backend == "docker":
+            self._docker("kill", self._container(node))
+            return
+        if node.pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(node.pid, 9)
+        self._wait_stopped(node, 10.0)
+
+    def stop_broker(self, index: int) -> None:
+        """Shut broker ``index`` down cleanly (SIGTERM, controlled shutdown)."""
+        node = self.nodes[index]
+        if self.backend == "docker":
+            self._docker("stop", "-t", str(int(_STOP_TIMEOUT_S)), self._container(node))
+            return
+        if node.pid is not None and pid_alive(node.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(node.pid, 15)
+        self._wait_stopped(node, _STOP_TIMEOUT_S)
+
+    def restart_broker(self, index: int, timeout: float | None = None) -> None:
+        """Start broker ``index`` again (stopping it first if it runs) and wait until it rejoins."""
+        if self.is_running(index):
+            self.stop_broker(index)
+        node = self.nodes[index]
+        if self.backend == "docker":
+            self._docker("start", self._container(node))
+        else:
+            self._launch(node)
+        self.wait_until_ready(timeout or self.startup_timeout)
+
+    def is_running(self, index: int) -> bool:
+        """Whether the process (or container) of broker ``index`` is alive."""
+        node = self.nodes[index]
+        if self.backend == "docker":
+            result = _run(
+                ["docker", "inspect", "-f", "{{.State.Running}}", self._container(node)]
+            )
+            return result.returncode == 0 and result.stdout.strip() == "true"
+        return node.pid is not None and pid_alive(node.pid, _MAIN_CLASS)
+
+    def broker_log(self, index: int) -> str:
+        """Everything broker ``index`` has logged so far (across restarts)."""
+        node = self.nodes[index]
+        if self.backend == "docker":
+            result = _run(["docker", "logs", self._container(node)])
+            return result.stdout + result.stderr
+        path = Path(node.directory) / "broker.log"
+        return path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+
+    def wait_until_ready(self, timeout: float = 60.0) -> None:
+        """Wait until every live broker is listed in the cluster metadata."""
+        from confluent_kafka.admin import AdminClient
+
+        deadline = time.monotonic() + timeout
+        expected = {n.node_id for n in self.nodes}
+        admin: Any = None
+        seen: set[int] = set()
+        while True:
+            self._check_alive()
+            if admin is None and all(port_open(n.port) for n in self.nodes):
+                admin = AdminClient(
+                    {
+                        "bootstrap.servers": self.bootstrap_servers,
+                        "logger": logging.getLogger("dualwrite.dev.librdkafka"),
+                        "log_level": 3,
+                    }
+                )
+            if admin is not None:
+                try:
+                    metadata = admin.list_topics(timeout=2.0)
+                    seen = {int(b) for b in metadata.brokers}
+                    if expected <= seen:
+                        return
+                except Exception as e:  # KafkaException while brokers register
+                    log.debug("metadata not ready yet: %s", e)
+            if time.monotonic() > deadline:
+                missing = sorted(expected - seen)
+                raise DevClusterError(
+                    f"Kafka {self.kafka_version} did not become ready within {timeout:.0f} s "
+                    f"(brokers not in metadata: {missing}).\n{self._log_tails()}"
+                )
+            time.sleep(0.2)
+
+    def create_topic(
+        self,
+        name: str,
+        partitions: int = 3,
+        replication_factor: int | None = None,
+        config: Mapping[str, str] | None = None,
+        timeout: float = 30.0,
+    ) -> str:
+        """Create a topic and wait until its metadata has a leader for every partition."""
+        from confluent_kafka.admin import AdminClient, NewTopic
+
+        rf = replication_factor or min(len(self.nodes), 3)
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers})
+        futures = admin.create_topics(
+            [NewTopic(name, partitions, rf, config=dict(config or {}))],
+            operation_timeout=timeout,
+        )
+        futures[name].result(timeout)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            md = admin.list_topics(name, timeout=5.0).topics.get(name)
+            if md is not None and md.error is None and len(md.partitions) == partitions and all(
+                p.leader >= 0 for p in md.partitions.values()
+            ):
+                return name
+            time.sleep(0.1)
+        raise DevClusterError(f"topic {name!r} has no leader for every partition after {timeout} s")
+
+    # -- state for detached clusters --------------------------------------------------------
+
+    def to_state(self) -> dict[str, Any]:
+        """A JSON-able description that :meth:`from_state` turns back into a cluster handle."""
+        return {
+            "backend": self.backend,
+            "kafka_version": self.kafka_version,
+            "brokers": self.brokers,
+            "cluster_id": self.cluster_id,
+            "bootstrap_servers": self.bootstrap_servers,
+            "data_dir": str(self.data_dir) if self.data_dir else None,
+            "owns_data_dir": self._given_data_dir is None,
+            "network": self.network,
+            "extra_config": self.extra_config,
+            "nodes": [asdict(n) for n in self.nodes],
+        }
+
+    def save_state(self, path: Path) -> None:
+        """Write :meth:`to_state` as JSON to ``path`` (atomically)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_state(), indent=2) + "\n", encoding="utf-8")
+        tmp.replace(path)
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any] | Path) -> LocalKafkaCluster:
+        """A handle on a cluster another process started (see :meth:`save_state`)."""
+        if isinstance(state, Path):
+            state = cast(dict[str, Any], json.loads(state.read_text(encoding="utf-8")))
+        data_dir = Path(state["data_dir"]) if state.get("data_dir") else None
+        cluster = cls(
+            brokers=int(state["brokers"]),
+            kafka_version=str(state["kafka_version"]),
+            data_dir=None if state.get("owns_data_dir", True) else data_dir,
+            extra_config=state.get("extra_config") or {},
+            backend=state["backend"],
+            detach=True,
+        )
+        cluster.backend = state["backend"]
+        cluster.data_dir = data_dir
+        cluster.cluster_id = str(state["cluster_id"])
+        cluster.network = state.get("network")
+        cluster.nodes = [BrokerNode(**n) for n in state["nodes"]]
+        return cluster
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _settings(self) -> dict[str, str]:
+        settings = transactional_defaults(self.brokers)
+        settings.update(_share_group_defaults(self.brokers, self.kafka_version))
+        settings.update(self.extra_config)
+        return settings
+
+    def _choose_backend(self) -> Literal["jars", "docker"]:
+        if self.requested_backend == "docker":
+            if not docker_available():
+                raise DevClusterError(
+                    "backend='docker' but no Docker engine answers `docker info`; start Docker "
+                    "or use backend='jars' (needs Java 17 and Maven)"
+                )
+            return "docker"
+        if self.requested_backend == "jars":
+            return "jars"
+        return "docker" if docker_available() else "jars"
+
+    def _check_alive(self) -> None:
+        if self.backend == "docker":
+            return
+        for node in self.nodes:
+            proc = self._procs.get(node.index)
+            if proc is not None and proc.poll() is not None:
+                raise DevClusterError(
+                    f"Kafka broker {node.node_id} exited with code {proc.returncode} during "
+                    f"startup.{self._hint(node)}\n{self._log_tails([node])}"
+                )
+
+    def _hint(self, node: BrokerNode) -> str:
+        text = tail(Path(node.directory) / "broker.log", 200)
+        if "UnsupportedClassVersionError" in text:
+            return " The JVM is too old: Kafka 4.x needs Java 17 or newer."
+        if "Address already in use" in text:
+            return " A port was taken between choosing it and binding it; start again."
+        return ""
+
+    def _log_tails(self, nodes: list[BrokerNode] | None = None, lines: int = 30) -> str:
+        parts = []
+        for node in nodes if nodes is not None else self.nodes:
+            if self.backend == "docker":
+                text = "\n".join(self.broker_log(node.index).splitlines()[-lines:])
+            else:
+                text = tail(Path(node.directory) / "broker.log", lines)
+            parts.append(f"--- last lines of broker {node.node_id} log ---\n{text}")
+        return "\n".join(parts)
+
+    def _allocate_nodes(self, directory: Path | None) -> None:
+        ports = free_ports(2 * self.brokers)
+        self.nodes = [
+            BrokerNode(
+                index=i,
+                node_id=i + 1,
+                port=ports[2 * i],
+                controller_port=ports[2 * i + 1],
+                directory=str(directory / f"node-{i + 1}") if directory else "",
+            )
+            for i in range(self.brokers)
+        ]
+
+    # jar backend
+
+    def _start_jars(self) -> None:
+        self._java = _find_java()
+        self._classpath = os.pathsep.join(str(j) for j in kafka_classpath(self.kafka_version))
+        if self.data_dir is None:
+            self.data_dir = Path(tempfile.mkdtemp(prefix="dualwrite-kafka-"))
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._allocate_nodes(self.data_dir)
+        for node in self.nodes:
+            node_dir = Path(node.directory)
+            if node_dir.exists():
+                shutil.rmtree(node_dir)
+            node_dir.mkdir(parents=True)
+            _write_properties(node_dir / "server.properties", self.broker_config(node.index))
+            if logging_flavour(self.kafka_version) == "log4j2":
+                (node_dir / "log4j2.properties").write_text(_LOG4J2, encoding="utf-8")
+            else:
+                (node_dir / "log4j.properties").write_text(_LOG4J1, encoding="utf-8")
+        self._format_storage()
+        for node in self.nodes:
+            self._launch(node)
+
+    def _jvm_args(self, node: BrokerNode) -> list[str]:
+        assert self._java is not None and self._classpath is not None
+        node_dir = Path(node.directory)
+        if logging_flavour(self.kafka_version) == "log4j2":
+            log_opt = f"-Dlog4j2.configurationFile={node_dir / 'log4j2.properties'}"
+        else:
+            log_opt = f"-Dlog4j.configuration=file:{node_dir / 'log4j.properties'}"
+        return [
+            self._java, "-Xms128m", f"-Xmx{self.heap}", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
+            "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true", log_opt,
+            f"-Dkafka.logs.dir={node_dir / 'logs'}", "-cp", self._classpath,
+        ]  # fmt: skip
+
+    def _format_storage(self) -> None:
+        procs = []
+        for node in self.nodes:
+            node_dir = Path(node.directory)
+            cmd = [
+                *self._jvm_args(node), "kafka.tools.StorageTool", "format",
+                "--cluster-id", self.cluster_id, "--config", str(node_dir / "server.properties"),
+            ]  # fmt: skip
+            out = (node_dir / "format.log").open("wb")
+            procs.append((node, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT), out))
+        failures = []
+        for node, proc, out in procs:
+            try:
+                code = proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = -9
+            out.close()
+            if code != 0:
+                text = tail(Path(node.directory) / "format.log", 20)
+                failures.append(f"node {node.node_id} (exit {code}):\n{text}")
+        if failures:
+            raise DevClusterError(
+                "kafka.tools.StorageTool format failed for " + "\n".join(failures)
+            )
+
+    def _launch(self, node: BrokerNode) -> None:
+        node_dir = Path(node.directory)
+        cmd = [*self._ensure_jvm_args(node), _MAIN_CLASS, str(node_dir / "server.properties")]
+        out: IO[bytes] = (node_dir / "broker.log").open("ab")
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=node_dir,
+                start_new_session=True,
+                preexec_fn=None if self.detach else parent_death_signal(),
+            )
+        finally:
+            out.close()
+        node.pid = proc.pid
+        self._procs[node.index] = proc
+        log.debug("started Kafka broker %d (pid %d) on %s", node.node_id, proc.pid, node.address)
+
+    def _ensure_jvm_args(self, node: BrokerNode) -> list[str]:
+        if self._java is None:
+            self._java = _find_java()
+        if self._classpath is None:
+            jars = kafka_classpath(self.kafka_version)
+            self._classpath = os.pathsep.join(str(j) for j in jars)
+        return self._jvm_args(node)
+
+    def _wait_stopped(self, node: BrokerNode, timeout: float) -> None:
+        proc = self._procs.get(node.index)
+        if proc is not None:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("broker %d ignored SIGTERM for %.0f s; killing it", node.node_id, timeout)
+                proc.kill()
+                proc.wait(timeout=10)
+        elif node.pid is not None:
+            terminate_pid(node.pid, timeout, must_contain=_MAIN_CLASS)
+
+    def _remove_data(self) -> None:
+        if self.backend == "docker" or self.data_dir is None:
+            return
+        if self._given_data_dir is None:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        else:
+            for node in self.nodes:
+                if node.directory:
+                    shutil.rmtree(node.directory, ignore_errors=True)
+
+    # docker backend
+
+    def _container(self, node: BrokerNode) -> str:
+        if node.container is None:
+            raise DevClusterError(f"broker {node.node_id} has no container")
+        return node.container
+
+    def _docker(self, *args: str, timeout: float = 120.0) -> str:
+        result = _run(["docker", *args], timeout=timeout)
+        if result.returncode != 0:
+            raise DevClusterError(f"`docker {' '.join(args[:2])}` failed: {result.stderr.strip()}")
+        return result.stdout.strip()
+
+    def _start_docker(self) -> None:
+        image = f"{DOCKER_IMAGE}:{self.kafka_version}"
+        if _run(["docker", "image", "inspect", image]).returncode != 0:
+            log.info("pulling %s", image)
+            self._docker("pull", image, timeout=900.0)
+        suffix = self.cluster_id[:8].lower().replace("_", "x").replace("-", "x")
+        self.network = f"dualwrite-kafka-{suffix}"
+        self._docker("network", "create", "--label", _DOCKER_LABEL, self.network)
+        self._allocate_nodes(None)
+        for node in self.nodes:
+            node.container = f"dualwrite-kafka-{suffix}-{node.node_id}"
+            node.controller_port = 9093
+        voters = ",".join(f"{n.node_id}@{n.container}:9093" for n in self.nodes)
+        for node in self.nodes:
+            env = {
+                "CLUSTER_ID": self.cluster_id,
+                "KAFKA_HEAP_OPTS": f"-Xms128m -Xmx{self.heap}",
+                "KAFKA_NODE_ID": str(node.node_id),
+                "KAFKA_PROCESS_ROLES": "broker,controller",
+                "KAFKA_CONTROLLER_QUORUM_VOTERS": voters,
+                "KAFKA_LISTENERS": "INTERNAL://:19092,EXTERNAL://:9092,CONTROLLER://:9093",
+                "KAFKA_ADVERTISED_LISTENERS": (
+                    f"INTERNAL://{node.container}:19092,EXTERNAL://127.0.0.1:{node.port}"
+                ),
+                "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP": (
+                    "INTERNAL:PLAINTEXT,EXTERNAL:PLAINTEXT,CONTROLLER:PLAINTEXT"
+                ),
+                "KAFKA_INTER_BROKER_LISTENER_NAME": "INTERNAL",
+                "KAFKA_CONTROLLER_LISTENER_NAMES": "CONTROLLER",
+                "KAFKA_LOG_DIRS": "/tmp/kraft-combined-logs",
+            }
+            env.update({_docker_env_name(k): v for k, v in self._settings().items()})
+            args = ["run", "-d", "--name", str(node.container), "--hostname", str(node.container)]
+            args += ["--network", self.network, "--label", _DOCKER_LABEL]
+            args += ["-p", f"127.0.0.1:{node.port}:9092"]
+            for key, value in env.items():
+                args += ["-e", f"{key}={value}"]
+            self._docker(*args, image)
+
+    def _stop_docker(self) -> None:
+        containers = [n.container for n in self.nodes if n.container]
+        if containers:
+            # One call stops them in parallel, so no node waits for a quorum that is leaving.
+            _run(["docker", "stop", "-t", str(int(_STOP_TIMEOUT_S)), *containers], timeout=120.0)
+            _run(["docker", "rm", "-f", "-v", *containers])
+        if self.network:
+            _run(["docker", "network", "rm", self.network])
+            self.network = None

@@ -1,0 +1,119 @@
+"""Resolve the jars of an Apache Kafka broker with Maven, and cache the resulting classpath.
+
+Jars live in the Maven local repository (``~/.m2`` by default), so a second resolution is
+offline and fast; the classpath itself is cached under ``$DUALWRITE_HOME/classpath``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+
+from dualwrite.dev._util import DevClusterError, dualwrite_home
+
+__all__ = ["POM_RESOURCE", "kafka_classpath", "logging_flavour", "major_version"]
+
+log = logging.getLogger(__name__)
+
+POM_RESOURCE = "kafka-runtime.pom.xml"
+MAVEN_TIMEOUT_S = 900.0
+
+
+def major_version(kafka_version: str) -> int:
+    """The major number of a Kafka version string such as ``"4.3.1"``."""
+    try:
+        return int(kafka_version.split(".", 1)[0])
+    except ValueError:
+        raise DevClusterError(
+            f"cannot parse Kafka version {kafka_version!r}: expected e.g. '4.3.1' or '3.9.1'"
+        ) from None
+
+
+def logging_flavour(kafka_version: str) -> str:
+    """Which SLF4J binding the broker needs: ``log4j2`` for Kafka 4.x, ``reload4j`` for 3.x."""
+    return "log4j2" if major_version(kafka_version) >= 4 else "reload4j"
+
+
+def _pom_text() -> str:
+    return (resources.files("dualwrite.dev") / POM_RESOURCE).read_text(encoding="utf-8")
+
+
+def _find_mvn() -> str:
+    mvn = shutil.which("mvn")
+    if mvn is None:
+        raise DevClusterError(
+            "mvn not found on PATH: install Apache Maven 3.8+ (e.g. `apt-get install maven`) "
+            "to download the Kafka jars, or use the Docker backend where a Docker engine runs"
+        )
+    return mvn
+
+
+def kafka_classpath(
+    kafka_version: str,
+    *,
+    maven_repo_local: Path | None = None,
+    refresh: bool = False,
+) -> list[Path]:
+    """The jar files needed to run a ``kafka_version`` broker, downloading them if needed.
+
+    ``maven_repo_local`` (or env ``DUALWRITE_MAVEN_REPO_LOCAL``) replaces ``~/.m2/repository``.
+    """
+    if maven_repo_local is None and os.environ.get("DUALWRITE_MAVEN_REPO_LOCAL"):
+        maven_repo_local = Path(os.environ["DUALWRITE_MAVEN_REPO_LOCAL"])
+    flavour = logging_flavour(kafka_version)
+    pom = _pom_text()
+    key = hashlib.sha256(
+        "\0".join([pom, kafka_version, flavour, str(maven_repo_local or "")]).encode()
+    ).hexdigest()[:12]
+    cache_dir = dualwrite_home() / "classpath"
+    cache_file = cache_dir / f"kafka-{kafka_version}-{key}.txt"
+    if not refresh and cache_file.exists():
+        jars = [Path(p) for p in cache_file.read_text().strip().split(os.pathsep) if p]
+        if jars and all(j.is_file() for j in jars):
+            return jars
+        log.info("cached classpath %s points at missing jars; resolving again", cache_file)
+
+    mvn = _find_mvn()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="dualwrite-mvn-") as tmp:
+        pom_path = Path(tmp) / "pom.xml"
+        pom_path.write_text(pom, encoding="utf-8")
+        out = Path(tmp) / "classpath.txt"
+        cmd = [
+            mvn, "-B", "-q", "-f", str(pom_path), "dependency:build-classpath",
+            f"-Dkafka.version={kafka_version}", f"-Dkafka.logging={flavour}",
+            f"-Dmdep.outputFile={out}",
+        ]  # fmt: skip
+        if maven_repo_local is not None:
+            cmd.append(f"-Dmaven.repo.local={maven_repo_local}")
+        log.info("resolving Kafka %s jars with Maven (first time can take a minute)", kafka_version)
+        started = time.monotonic()
+        try:
+            result = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=MAVEN_TIMEOUT_S, check=False
+            )
+        except subprocess.TimeoutExpired:
+            raise DevClusterError(
+                f"Maven did not resolve Kafka {kafka_version} within {MAVEN_TIMEOUT_S:.0f} s; "
+                "check that Maven Central (or your mirror in ~/.m2/settings.xml) is reachable"
+            ) from None
+        if result.returncode != 0 or not out.exists():
+            output = "\n".join((result.stdout + result.stderr).strip().splitlines()[-25:])
+            raise DevClusterError(
+                f"Maven could not resolve org.apache.kafka:kafka_2.13:{kafka_version}. Check that "
+                "the version exists on Maven Central and that Central (or your mirror) is "
+                f"reachable. Maven said:\n{output}"
+            )
+        classpath = out.read_text().strip()
+        log.info("resolved Kafka %s jars in %.1f s", kafka_version, time.monotonic() - started)
+    tmp_cache = cache_file.with_suffix(".tmp")
+    tmp_cache.write_text(classpath)
+    tmp_cache.replace(cache_file)
+    return [Path(p) for p in classpath.split(os.pathsep) if p]

@@ -1,0 +1,127 @@
+"""The exceptions dualwrite raises, grouped by what the caller should do about them.
+
+- :class:`RetriableError`: nothing was decided; try the same call again.
+- :class:`RecoverableError`: the process must stop using this producer and run recovery
+  (``dualwrite recover`` / :func:`dualwrite.recover`), which finishes the in-doubt work.
+- :class:`FatalError`: a configuration, permission or programming problem; retrying will not help.
+- :class:`OutcomeUnknownError`: a commit was sent and its outcome is not known; recovery asks the
+  coordinator and the database, it never guesses.
+- :class:`HeuristicOutcomeError`: the database and Kafka disagree and a human (or a re-publish hook)
+  has to act.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "BrokerUnreachableError",
+    "DatabaseUnreachableError",
+    "DualWriteError",
+    "FatalError",
+    "HeuristicAbortError",
+    "HeuristicOutcomeError",
+    "InvalidPreparedStateError",
+    "KafkaProtocolError",
+    "MigrationRequiredError",
+    "OutcomeUnknownError",
+    "ProducerFencedError",
+    "RecoverableError",
+    "RetriableError",
+    "TransactionStateError",
+]
+
+
+class DualWriteError(Exception):
+    """Base class of every error dualwrite raises on purpose."""
+
+
+class RetriableError(DualWriteError):
+    """A transient failure; nothing was decided and the same call may be retried."""
+
+
+class RecoverableError(DualWriteError):
+    """This producer can no longer be used; run recovery to finish or abort in-doubt work."""
+
+
+class FatalError(DualWriteError):
+    """Retrying will not help: configuration, permissions, or a bug in the caller."""
+
+
+class OutcomeUnknownError(RecoverableError):
+    """A commit was sent but its result never arrived; recovery resolves it by asking."""
+
+
+class HeuristicOutcomeError(DualWriteError):
+    """Kafka and the database reached different outcomes; a human or a hook must act."""
+
+
+class BrokerUnreachableError(RetriableError):
+    """No Kafka broker answered within the timeout."""
+
+
+class DatabaseUnreachableError(RetriableError):
+    """The database did not answer."""
+
+
+class ProducerFencedError(FatalError):
+    """Another producer with the same transactional id took over; this one must stop."""
+
+
+class TransactionStateError(FatalError):
+    """A call was made in the wrong phase of the transaction (e.g. produce after prepare)."""
+
+
+class MigrationRequiredError(FatalError):
+    """The dualwrite state table is missing or out of date."""
+
+
+class InvalidPreparedStateError(FatalError, ValueError):
+    """A prepared-state string could not be parsed."""
+
+    def __init__(self, text: str, reason: str) -> None:
+        super().__init__(f"invalid prepared transaction state {text!r}: {reason}")
+        self.text = text
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class KafkaErrorInfo:
+    """A Kafka protocol error code as data: its name, whether it is retriable, what to do."""
+
+    code: int
+    name: str
+    retriable: bool
+    advice: str
+
+
+class KafkaProtocolError(DualWriteError):
+    """A broker answered with an error code; ``info`` says what it means and what to do."""
+
+    def __init__(self, info: KafkaErrorInfo, context: str) -> None:
+        super().__init__(f"{context}: {info.name} (error code {info.code}). {info.advice}")
+        self.info = info
+        self.context = context
+
+    @property
+    def retriable(self) -> bool:
+        return self.info.retriable
+
+
+class HeuristicAbortError(HeuristicOutcomeError):
+    """The database decided commit but Kafka aborted the transaction (e.g. broker timeout).
+
+    The Kafka records of that transaction are lost; the database rows exist. Re-publish them from
+    the database (see ``DualWriter(on_heuristic_abort=...)``) or repair by hand.
+    """
+
+    def __init__(self, transactional_id: str, state: str, detail: str) -> None:
+        super().__init__(
+            f"transactional id {transactional_id!r}: the database committed prepared state "
+            f"{state!r} but Kafka aborted that transaction ({detail}); its records are lost. "
+            "Re-publish them from the database rows of that transaction, then run "
+            "`dualwrite recover --acknowledge-heuristic` to clear the state."
+        )
+        self.transactional_id = transactional_id
+        self.state = state
+        self.detail = detail

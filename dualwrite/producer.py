@@ -1,0 +1,394 @@
+"""TwoPhaseProducer: a confluent-kafka transactional producer with KIP-939's verbs.
+
+librdkafka stays the data path. What it cannot do — keep a prepared transaction across a restart,
+name one transaction, finish a transaction by (producer id, epoch) — is done beside it through the
+control plane (see ``completion`` and ``control_plane``).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
+from dualwrite.completion import Completion, complete
+from dualwrite.control_plane import ControlPlane, ProducerIdentity, TopicPartition, TxnState
+from dualwrite.errors import (
+    DualWriteError,
+    FatalError,
+    OutcomeUnknownError,
+    ProducerFencedError,
+    RecoverableError,
+    RetriableError,
+    TransactionStateError,
+)
+from dualwrite.prepared_state import PreparedTxnState
+
+__all__ = ["TwoPhaseProducer"]
+
+log = logging.getLogger(__name__)
+
+Headers = Mapping[str, bytes | str] | Sequence[tuple[str, bytes | str]]
+
+
+class _Phase(enum.Enum):
+    NEW = "new"
+    AWAITING_COMPLETION = "awaiting complete_transaction"
+    READY = "ready"
+    IN_TRANSACTION = "in transaction"
+    PREPARED = "prepared"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+def _translate(exc: KafkaException, what: str) -> DualWriteError:
+    """Turn a librdkafka error into the dualwrite exception the caller can act on."""
+    err: KafkaError = exc.args[0]
+    text = f"{what}: {err.name()} ({err.str()})"
+    if err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
+                      KafkaError.INVALID_PRODUCER_EPOCH):
+        return ProducerFencedError(text + "; another producer with this transactional id took "
+                                   "over — stop this one")
+    if err.code() in (KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+                      KafkaError.TOPIC_AUTHORIZATION_FAILED,
+                      KafkaError.CLUSTER_AUTHORIZATION_FAILED):
+        return FatalError(text + "; grant the missing ACL (WRITE on the transactional id and "
+                          "topics, IDEMPOTENT_WRITE on the cluster)")
+    if err.fatal():
+        return FatalError(text)
+    if err.retriable():
+        return RetriableError(text)
+    return RecoverableError(text)
+
+
+class TwoPhaseProducer:
+    """A transactional producer that can prepare, and finish a prepared transaction later.
+
+    ``config`` is a confluent-kafka producer configuration with ``transactional.id``. If
+    ``transaction.timeout.ms`` is not set it defaults to the broker's
+    ``transaction.max.timeout.ms``: a prepared transaction must outlive the time it takes to
+    restart and recover, or the broker aborts it (then :class:`HeuristicAbortError` says so).
+    """
+
+    def __init__(self, config: Mapping[str, Any], *, control_plane: ControlPlane | None = None,
+                 timeout_s: float = 30.0) -> None:
+        tid = config.get("transactional.id")
+        if not tid:
+            raise FatalError("TwoPhaseProducer needs 'transactional.id' in its configuration")
+        self._tid = str(tid)
+        self._timeout_s = timeout_s
+        self._owns_cp = control_plane is None
+        self._cp = control_plane or ControlPlane(config, timeout_s=timeout_s)
+        self._config = dict(config)
+        if "transaction.timeout.ms" not in self._config:
+            probe = self._cp.probe(check_2pc=False)
+            if probe.max_transaction_timeout_ms:
+                self._config["transaction.timeout.ms"] = probe.max_transaction_timeout_ms
+        self._producer: Producer | None = None
+        self._phase = _Phase.NEW
+        self._identity: ProducerIdentity | None = None
+        self._lock = threading.Lock()
+        self._first_offsets: dict[TopicPartition, int] = {}
+        self._delivery_errors: list[str] = []
+        self._produced = 0
+        self._prepared: PreparedTxnState | None = None
+        self.last_committed: PreparedTxnState | None = None
+        """The state of the last transaction this producer committed (in this process)."""
+
+    # -- properties ----------------------------------------------------------------------------
+
+    @property
+    def transactional_id(self) -> str:
+        return self._tid
+
+    @property
+    def identity(self) -> ProducerIdentity | None:
+        """Producer id and epoch of the current librdkafka session, once initialised."""
+        return self._identity
+
+    @property
+    def control_plane(self) -> ControlPlane:
+        return self._cp
+
+    @property
+    def transaction_timeout_ms(self) -> int | None:
+        value = self._config.get("transaction.timeout.ms")
+        return int(value) if value is not None else None
+
+    def _ids(self) -> str:
+        ident = self._identity
+        pid, epoch = (ident.producer_id, ident.epoch) if ident else (-1, -1)
+        return f"transactional_id={self._tid} producer_id={pid} epoch={epoch}"
+
+    def _require(self, *phases: _Phase, verb: str) -> None:
+        if self._phase not in phases:
+            allowed = " or ".join(p.value for p in phases)
+            raise TransactionStateError(
+                f"{verb}() is not allowed while the producer is {self._phase.value} "
+                f"(allowed when {allowed}); {self._tid}")
+
+    # -- init / complete -----------------------------------------------------------------------
+
+    def init_transactions(self, keep_prepared_txn: bool = False) -> None:
+        """Start the producer session.
+
+        With ``keep_prepared_txn=True`` the in-doubt transaction of this transactional id is left
+        alone: call :meth:`complete_transaction` with the state stored in your database next,
+        which commits or aborts it and only then initialises librdkafka (whose own
+        initialisation would abort it blindly).
+        """
+        self._require(_Phase.NEW, verb="init_transactions")
+        if keep_prepared_txn:
+            self._phase = _Phase.AWAITING_COMPLETION
+            log.info("init keep_prepared_txn transactional_id=%s: awaiting complete_transaction",
+                     self._tid)
+            return
+        self._start_librdkafka()
+
+    def _start_librdkafka(self) -> None:
+        producer = Producer(self._config)
+        try:
+            producer.init_transactions(self._timeout_s)
+        except KafkaException as exc:
+            raise _translate(exc, f"init_transactions({self._tid})") from exc
+        self._producer = producer
+        desc = self._cp.describe_transaction(self._tid)
+        if desc is None:
+            raise FatalError(f"the coordinator does not know {self._tid!r} right after "
+                             "init_transactions; is another cluster configured?")
+        self._identity = ProducerIdentity(desc.producer_id, desc.epoch)
+        self._phase = _Phase.READY
+        log.info("initialised %s", self._ids())
+
+    def complete_transaction(self, state: PreparedTxnState | str) -> Completion:
+        """Commit the in-doubt transaction if ``state`` names it, otherwise abort it.
+
+        ``state`` is what the database holds (the decision). If the named transaction already
+        committed this is a no-op; if Kafka aborted it, :class:`HeuristicAbortError` is raised.
+        """
+        if isinstance(state, str):
+            state = PreparedTxnState.parse(state)
+        if self._phase is _Phase.READY and self.last_committed == state:
+            return Completion.ALREADY_COMMITTED  # this session committed it itself
+        self._require(_Phase.AWAITING_COMPLETION, _Phase.READY, _Phase.PREPARED,
+                      verb="complete_transaction")
+        if self._phase is _Phase.PREPARED:
+            # Same process: we know our own prepared transaction.
+            if state == self._prepared:
+                self.commit_transaction()
+                return Completion.COMMITTED
+            self.abort_transaction()
+            return Completion.ABORTED
+        outcome = complete(self._cp, self._config, self._tid, state, timeout_s=self._timeout_s)
+        log.info("completed transactional_id=%s state=%r outcome=%s", self._tid, str(state),
+                 outcome.value)
+        if self._phase is _Phase.AWAITING_COMPLETION:
+            self._start_librdkafka()
+        return outcome
+
+    # -- the transaction -----------------------------------------------------------------------
+
+    def begin_transaction(self) -> None:
+        self._require(_Phase.READY, verb="begin_transaction")
+        assert self._producer is not None
+        try:
+            self._producer.begin_transaction()
+        except KafkaException as exc:
+            raise _translate(exc, "begin_transaction") from exc
+        self._first_offsets = {}
+        self._delivery_errors = []
+        self._produced = 0
+        self._prepared = None
+        self._phase = _Phase.IN_TRANSACTION
+        log.debug("begin %s", self._ids())
+
+    def produce(self, topic: str, value: bytes | str | None = None, key: bytes | str | None = None,
+                *, partition: int | None = None, headers: Headers | None = None,
+                timestamp: int = 0,
+                on_delivery: Callable[[KafkaError | None, Message], None] | None = None) -> None:
+        """Send one record in the current transaction (asynchronously, like confluent-kafka)."""
+        self._require(_Phase.IN_TRANSACTION, verb="produce")
+        assert self._producer is not None
+
+        def delivered(err: KafkaError | None, msg: Message) -> None:
+            if err is not None:
+                with self._lock:
+                    self._delivery_errors.append(f"{msg.topic()}[{msg.partition()}]: {err.str()}")
+            else:
+                tp = TopicPartition(str(msg.topic()), int(msg.partition() or 0))
+                offset = int(msg.offset() or 0)
+                with self._lock:
+                    if tp not in self._first_offsets or offset < self._first_offsets[tp]:
+                        self._first_offsets[tp] = offset
+            if on_delivery is not None:
+                on_delivery(err, msg)
+
+        kwargs: dict[str, Any] = {"value": value, "key": key, "on_delivery": delivered,
+                                  "timestamp": timestamp}
+        if partition is not None:
+            kwargs["partition"] = partition
+        if headers is not None:
+            kwargs["headers"] = headers
+        while True:
+            try:
+                self._producer.produce(topic, **kwargs)
+                break
+            except BufferError:
+                self._producer.poll(0.1)  # local queue full: let deliveries drain
+            except KafkaException as exc:
+                raise _translate(exc, f"produce to {topic}") from exc
+        self._produced += 1
+        self._producer.poll(0)
+
+    def flush_and_state(self) -> PreparedTxnState:
+        """Flush, fail on any delivery error, and compute the state (no coordinator round trip).
+
+        :meth:`prepare_transaction` is this plus :meth:`verify_prepared`; the DualWriter runs the
+        two halves separately so the coordinator check overlaps the database write.
+        """
+        self._require(_Phase.IN_TRANSACTION, verb="prepare_transaction")
+        assert self._producer is not None
+        remaining = self._producer.flush(self._timeout_s)
+        if remaining:
+            self._phase = _Phase.FAILED
+            raise RetriableError(f"{remaining} records not delivered within {self._timeout_s:g} s; "
+                                 f"abort_transaction() and retry ({self._ids()})")
+        if self._delivery_errors:
+            self._phase = _Phase.FAILED
+            raise RetriableError(f"{len(self._delivery_errors)} records failed delivery (first: "
+                                 f"{self._delivery_errors[0]}); abort_transaction() and retry")
+        if not self._first_offsets:
+            state = PreparedTxnState.empty()
+        else:
+            assert self._identity is not None
+            anchor_tp = min(self._first_offsets)
+            state = PreparedTxnState.of(self._identity.producer_id, self._identity.epoch,
+                                        anchor_tp, self._first_offsets[anchor_tp])
+        self._prepared = state
+        self._phase = _Phase.PREPARED
+        return state
+
+    def verify_prepared(self) -> None:
+        """Check with the coordinator that our transaction is open and holds every partition."""
+        self._require(_Phase.PREPARED, verb="verify_prepared")
+        if self._prepared is None or self._prepared.is_empty:
+            return
+        desc = self._cp.describe_transaction(self._tid)
+        ident = self._identity
+        assert ident is not None
+        problem = None
+        if desc is None:
+            problem = "the coordinator does not know the transactional id"
+        elif (desc.producer_id, desc.epoch) != (ident.producer_id, ident.epoch):
+            problem = (f"the coordinator has producer_id={desc.producer_id} "
+                       f"epoch={desc.epoch}: this producer was fenced")
+        elif desc.state is not TxnState.ONGOING:
+            problem = f"the transaction is {desc.state.value}, not Ongoing (broker timeout?)"
+        else:
+            missing = set(self._first_offsets) - desc.partitions
+            if missing:
+                problem = f"the coordinator does not list partitions {sorted(map(str, missing))}"
+        if problem is not None:
+            self._phase = _Phase.FAILED
+            err = ProducerFencedError if "fenced" in problem else RecoverableError
+            raise err(f"prepare failed for {self._ids()}: {problem}")
+        log.debug("prepared %s state=%s", self._ids(), self._prepared)
+
+    def prepare_transaction(self) -> PreparedTxnState:
+        """Flush and verify; returns the state to store in the database with your rows.
+
+        After this only commit, abort or complete are allowed. An empty transaction prepares to
+        the empty state and commits nothing.
+        """
+        state = self.flush_and_state()
+        self.verify_prepared()
+        log.info("prepared %s state=%s records=%d", self._ids(), state, self._produced)
+        return state
+
+    def commit_transaction(self) -> None:
+        """Commit the prepared (or open) transaction; an unknown outcome is resolved, not guessed.
+
+        If librdkafka's commit fails in a way that leaves the outcome open, the coordinator is
+        asked and the transaction committed by (producer id, epoch) if it is still open;
+        :class:`HeuristicAbortError` if Kafka aborted it.
+        """
+        self._require(_Phase.PREPARED, _Phase.IN_TRANSACTION, verb="commit_transaction")
+        if self._phase is _Phase.IN_TRANSACTION:
+            self.flush_and_state()
+        assert self._producer is not None
+        state = self._prepared or PreparedTxnState.empty()
+        try:
+            self._commit_with_retries()
+        except KafkaException as exc:
+            self._phase = _Phase.FAILED
+            log.warning("commit failed for %s (%s); asking the coordinator", self._ids(),
+                        exc.args[0])
+            if state.is_empty:
+                raise _translate(exc, "commit_transaction") from exc
+            try:
+                complete(self._cp, self._config, self._tid, state, timeout_s=self._timeout_s)
+            except RetriableError as unresolved:
+                raise OutcomeUnknownError(
+                    f"commit of {self._ids()} state={state} has an unknown outcome and the "
+                    f"coordinator could not be asked ({unresolved}); run `dualwrite recover`"
+                ) from exc
+            # librdkafka's session is unusable after a failed commit; a new one is needed.
+            self._restart_session()
+        else:
+            self._phase = _Phase.READY
+        self.last_committed = state
+        log.info("committed %s state=%s", self._ids(), state)
+
+    def _commit_with_retries(self) -> None:
+        assert self._producer is not None
+        while True:
+            try:
+                self._producer.commit_transaction(self._timeout_s)
+                return
+            except KafkaException as exc:
+                err: KafkaError = exc.args[0]
+                # librdkafka: a retriable commit error means "call commit again".
+                if err.retriable() and not err.txn_requires_abort() and not err.fatal():
+                    log.warning("commit of %s retrying after %s", self._ids(), err)
+                    continue
+                raise
+
+    def _restart_session(self) -> None:
+        if self._producer is not None:
+            self._producer.flush(0)
+        self._producer = None
+        self._start_librdkafka()
+
+    def abort_transaction(self) -> None:
+        """Abort the open or prepared transaction; allowed before the database decided commit."""
+        self._require(_Phase.IN_TRANSACTION, _Phase.PREPARED, _Phase.FAILED,
+                      verb="abort_transaction")
+        assert self._producer is not None
+        try:
+            self._producer.abort_transaction(self._timeout_s)
+        except KafkaException as exc:
+            self._phase = _Phase.FAILED
+            raise _translate(exc, "abort_transaction") from exc
+        self._phase = _Phase.READY
+        self._prepared = None
+        log.info("aborted %s", self._ids())
+
+    def close(self) -> None:
+        """Release the producer. An open or prepared transaction stays open at the coordinator
+        (librdkafka sends no EndTxn on close); recovery or the next session finishes it."""
+        if self._producer is not None:
+            self._producer.flush(0)
+        self._producer = None
+        self._phase = _Phase.CLOSED
+        if self._owns_cp:
+            self._cp.close()
+
+    def __enter__(self) -> TwoPhaseProducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

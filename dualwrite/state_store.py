@@ -1,0 +1,244 @@
+"""The prepared-state table: one row per transactional id, written with the application's rows.
+
+The KIP-939 recipe keeps, per transactional id, the prepared-state string of the Kafka transaction
+that the last committed database transaction decided to commit. A writer
+
+1. :meth:`StateStore.lock` s the row inside its database transaction (on PostgreSQL
+   ``INSERT ... ON CONFLICT DO NOTHING`` then ``SELECT ... FOR UPDATE``; on SQLite the transaction
+   already holds the database write lock through ``BEGIN IMMEDIATE``). The lock is the guard against
+   zombies and split brain: two writers of one transactional id run one after the other, and the
+   second sees what the first decided.
+2. writes its application rows, prepares the Kafka transaction and :meth:`StateStore.write` s the
+   new state in the same database transaction; the database commit is the decision.
+
+Recovery reads states outside any writer's transaction (:meth:`StateStore.read`,
+:meth:`StateStore.read_all`) and clears resolved ones with :meth:`StateStore.compare_and_set`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, NoReturn
+
+import sqlalchemy as sa
+from sqlalchemy import Connection, Engine
+from sqlalchemy.dialects import postgresql, sqlite
+
+from dualwrite.database import STATE_TABLE, transaction, upgrade_command, uses_begin_immediate
+from dualwrite.errors import FatalError, MigrationRequiredError, TransactionStateError
+
+__all__ = ["MAX_LENGTH", "StateRow", "StateStore"]
+
+logger = logging.getLogger(__name__)
+
+#: Longest transactional id and prepared-state string the table holds (VARCHAR(255)).
+MAX_LENGTH = 255
+
+_SUPPORTED_DIALECTS = ("postgresql", "sqlite")
+
+
+@dataclass(frozen=True)
+class StateRow:
+    """One row of the state table. ``prepared_txn_state`` is ``''`` when nothing is prepared."""
+
+    transactional_id: str
+    prepared_txn_state: str
+    updated_at: datetime
+
+
+def _check(name: str, value: str, *, allow_empty: bool) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, not {type(value).__name__}")
+    if not value and not allow_empty:
+        raise ValueError(f"{name} must not be empty")
+    if len(value) > MAX_LENGTH:
+        raise ValueError(
+            f"{name} is {len(value)} characters long; the state table holds at most {MAX_LENGTH}"
+        )
+
+
+def _utc(value: datetime) -> datetime:
+    """SQLite returns naive datetimes; dualwrite always stores UTC."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _is_missing_table(exc: sa.exc.DBAPIError) -> bool:
+    orig = exc.orig
+    if getattr(orig, "sqlstate", None) == "42P01":  # PostgreSQL undefined_table
+        return True
+    return "no such table" in str(orig).lower()  # SQLite
+
+
+def _require_transaction(conn: Connection, method: str) -> None:
+    if not conn.in_transaction():
+        raise TransactionStateError(
+            f"StateStore.{method}() must run inside the caller's open database transaction "
+            "(e.g. `with engine.begin() as conn:`)"
+        )
+
+
+class StateStore:
+    """Reads and writes ``dualwrite_transaction_state`` (or another table of the same shape)."""
+
+    def __init__(self, engine: Engine, table: str = STATE_TABLE) -> None:
+        if engine.dialect.name not in _SUPPORTED_DIALECTS:
+            raise FatalError(
+                f"dualwrite supports PostgreSQL and SQLite, not {engine.dialect.name!r}"
+            )
+        if engine.dialect.name == "sqlite" and not uses_begin_immediate(engine):
+            logger.warning(
+                "SQLite engine not made by dualwrite.database.create_engine: its transactions do "
+                "not start with BEGIN IMMEDIATE, so writers may fail with 'database is locked'"
+            )
+        self.engine = engine
+        self.table = sa.Table(
+            table,
+            sa.MetaData(),
+            sa.Column("transactional_id", sa.String(MAX_LENGTH), primary_key=True),
+            sa.Column("prepared_txn_state", sa.String(MAX_LENGTH), nullable=False),
+            sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+        )
+
+    # -- inside the caller's transaction -------------------------------------------------------
+
+    def lock(self, conn: Connection, transactional_id: str) -> str:
+        """Lock ``transactional_id``'s row until the caller's transaction ends; return its state.
+
+        Creates the row (empty state) the first time. Blocks while another transaction holds the
+        lock. Returns ``''`` when no prepared state is stored. A missing table raises
+        :class:`MigrationRequiredError` (on PostgreSQL the caller's transaction is then aborted and
+        must be rolled back).
+        """
+        _check("transactional_id", transactional_id, allow_empty=False)
+        _require_transaction(conn, "lock")
+        t = self.table
+        try:
+            conn.execute(self._insert_missing(conn, transactional_id))
+            query = sa.select(t.c.prepared_txn_state).where(t.c.transactional_id == transactional_id)
+            if conn.dialect.name == "postgresql":
+                query = query.with_for_update()
+            state: str = conn.execute(query).scalar_one()
+        except sa.exc.DBAPIError as exc:
+            self._reraise(conn, exc)
+        logger.debug("locked transactional id %r, stored state %r", transactional_id, state)
+        return state
+
+    def write(self, conn: Connection, transactional_id: str, state: str) -> None:
+        """Store ``state`` for ``transactional_id`` in the caller's transaction (after :meth:`lock`)."""
+        _check("transactional_id", transactional_id, allow_empty=False)
+        _check("state", state, allow_empty=True)
+        _require_transaction(conn, "write")
+        t = self.table
+        stmt = (
+            sa.update(t)
+            .where(t.c.transactional_id == transactional_id)
+            .values(prepared_txn_state=state, updated_at=datetime.now(UTC))
+        )
+        try:
+            result = conn.execute(stmt)
+        except sa.exc.DBAPIError as exc:
+            self._reraise(conn, exc)
+        if result.rowcount != 1:
+            raise TransactionStateError(
+                f"no state row for transactional id {transactional_id!r}: "
+                "call lock() in the same transaction before write()"
+            )
+        logger.debug("wrote state %r for transactional id %r", state, transactional_id)
+
+    # -- own short transactions ----------------------------------------------------------------
+
+    def read(self, transactional_id: str) -> StateRow | None:
+        """The stored row of ``transactional_id``, or None. Does not wait for writers' locks."""
+        _check("transactional_id", transactional_id, allow_empty=False)
+        rows = self.read_all([transactional_id])
+        return rows[0] if rows else None
+
+    def read_all(self, transactional_ids: Sequence[str] | None = None) -> list[StateRow]:
+        """All rows (or those of ``transactional_ids``), ordered by transactional id."""
+        t = self.table
+        query = sa.select(t.c.transactional_id, t.c.prepared_txn_state, t.c.updated_at)
+        if transactional_ids is not None:
+            ids = list(transactional_ids)
+            if not ids:
+                return []
+            for tid in ids:
+                _check("transactional_id", tid, allow_empty=False)
+            query = query.where(t.c.transactional_id.in_(ids))
+        query = query.order_by(t.c.transactional_id)
+        with transaction(self.engine, read_only=True) as conn:
+            try:
+                rows = conn.execute(query).all()
+            except sa.exc.DBAPIError as exc:
+                self._reraise(conn, exc)
+        return [StateRow(r[0], r[1], _utc(r[2])) for r in rows]
+
+    def compare_and_set(self, transactional_id: str, expected: str, new: str) -> bool:
+        """Set the state to ``new`` only if it is still ``expected``; True if it was set.
+
+        Runs in its own transaction and waits for a writer holding the row's lock, then compares
+        against what that writer committed. A missing row counts as state ``''``.
+        """
+        _check("transactional_id", transactional_id, allow_empty=False)
+        _check("expected", expected, allow_empty=True)
+        _check("new", new, allow_empty=True)
+        t = self.table
+        stmt = (
+            sa.update(t)
+            .where(t.c.transactional_id == transactional_id, t.c.prepared_txn_state == expected)
+            .values(prepared_txn_state=new, updated_at=datetime.now(UTC))
+        )
+        with transaction(self.engine) as conn:
+            try:
+                if expected == "":
+                    conn.execute(self._insert_missing(conn, transactional_id))
+                swapped = conn.execute(stmt).rowcount == 1
+            except sa.exc.DBAPIError as exc:
+                self._reraise(conn, exc)
+        logger.debug(
+            "compare_and_set %r: %r -> %r %s",
+            transactional_id,
+            expected,
+            new,
+            "done" if swapped else "skipped (state changed)",
+        )
+        return swapped
+
+    def delete(self, transactional_id: str) -> bool:
+        """Remove the row of ``transactional_id``; True if there was one."""
+        _check("transactional_id", transactional_id, allow_empty=False)
+        t = self.table
+        with transaction(self.engine) as conn:
+            try:
+                deleted = conn.execute(
+                    sa.delete(t).where(t.c.transactional_id == transactional_id)
+                ).rowcount
+            except sa.exc.DBAPIError as exc:
+                self._reraise(conn, exc)
+        return deleted == 1
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _insert_missing(self, conn: Connection, transactional_id: str) -> Any:
+        """``INSERT`` an empty row unless one exists (never blocks on an existing row's lock)."""
+        values = {
+            "transactional_id": transactional_id,
+            "prepared_txn_state": "",
+            "updated_at": datetime.now(UTC),
+        }
+        if conn.dialect.name == "postgresql":
+            return postgresql.insert(self.table).values(values).on_conflict_do_nothing()
+        return sqlite.insert(self.table).values(values).on_conflict_do_nothing()
+
+    def _reraise(self, conn: Connection, exc: sa.exc.DBAPIError) -> NoReturn:
+        if _is_missing_table(exc):
+            if self.table.name == STATE_TABLE:
+                how = f"Create it with: {upgrade_command(conn.engine.url)}"
+            else:
+                how = "Create it in the application's own migrations (see docs/sql.md)."
+            raise MigrationRequiredError(
+                f"the dualwrite state table {self.table.name!r} does not exist. {how}"
+            ) from exc
+        raise exc

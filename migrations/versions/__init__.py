@@ -1,0 +1,1 @@
+"""Revisions of dualwrite's schema (Alembic ignores this file)."""
