@@ -32,7 +32,7 @@ from dualwrite.errors import (
 )
 from dualwrite.prepared_state import PreparedTxnState
 
-__all__ = ["Completion", "complete", "committed_at_anchor"]
+__all__ = ["Completion", "committed_at_anchor", "complete"]
 
 log = logging.getLogger(__name__)
 

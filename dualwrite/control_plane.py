@@ -225,6 +225,8 @@ class ControlPlane:
                 "check bootstrap.servers and that the cluster is up (`dualwrite dev status`)"
             ) from exc
         self._manager = self._admin._manager
+        # Partition leaders for DescribeProducers, refreshed when a leader answers with an error.
+        self._leaders: dict[TopicPartition, int] = {}
 
     def close(self) -> None:
         self._admin.close()
@@ -273,6 +275,8 @@ class ControlPlane:
                 if time.monotonic() + delay > deadline:
                     raise RetriableError(
                         f"{what}: still failing after {self._timeout_s:g} s: {exc}") from exc
+                if not isinstance(exc, RetriableKafkaError):
+                    self._leaders.clear()  # a broker went away: leaders may have moved
                 log.debug("%s: retrying after %s", what, exc)
                 await self._admin._net.sleep(delay)
                 delay = min(delay * 2, 1.0)
@@ -381,8 +385,16 @@ class ControlPlane:
         from kafka.structs import TopicPartition as KTopicPartition
 
         async def attempt() -> dict[TopicPartition, list[ActiveProducer]]:
-            leaders = await self._admin._async_get_leader_for_partitions(
-                [KTopicPartition(p.topic, p.partition) for p in parts])
+            unknown = [p for p in parts if p not in self._leaders]
+            if unknown:
+                found = await self._admin._async_get_leader_for_partitions(
+                    [KTopicPartition(p.topic, p.partition) for p in unknown])
+                for node, tps in found.items():
+                    for tp in tps:
+                        self._leaders[TopicPartition(tp.topic, tp.partition)] = node
+            leaders: dict[int, list[TopicPartition]] = defaultdict(list)
+            for p in parts:
+                leaders[self._leaders[p]].append(p)
             out: dict[TopicPartition, list[ActiveProducer]] = {}
             for leader, tps in leaders.items():
                 by_topic: dict[str, list[int]] = defaultdict(list)
@@ -396,7 +408,7 @@ class ControlPlane:
                     for part in topic.partitions:
                         tp_ = TopicPartition(topic.name, part.partition_index)
                         if part.error_code:
-                            self._manager.cluster.request_update()
+                            self._leaders.pop(tp_, None)  # leadership moved: look it up again
                         raise_for_code(part.error_code, f"DescribeProducers({tp_})")
                         out[tp_] = [
                             ActiveProducer(

@@ -46,9 +46,9 @@ __all__ = [
     "mask_url",
     "migrations_dir",
     "normalize_url",
+    "transaction",
     "upgrade_command",
     "upgrade_database",
-    "transaction",
     "uses_begin_immediate",
 ]
 
@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 #: dualwrite's state table, created by migration 0001.
 STATE_TABLE = "dualwrite_transaction_state"
-#: Alembic version table of dualwrite's own migrations (never the application's ``alembic_version``).
+#: Alembic version table of dualwrite's own migrations (not the application's ``alembic_version``)
 VERSION_TABLE = "dualwrite_alembic_version"
 #: PostgreSQL advisory-lock key held while migrating, so that concurrent upgrades run one at a time.
 MIGRATION_LOCK_KEY = 0x6477_6D69_6772_6174  # "dwmigrat"
@@ -117,7 +117,7 @@ def create_engine(url: str | URL, **kw: Any) -> Engine:
 
 
 def _install_sqlite_hooks(engine: Engine) -> None:
-    """SQLAlchemy's pysqlite recipe: the driver emits no BEGIN; we emit BEGIN IMMEDIATE ourselves."""
+    """SQLAlchemy's pysqlite recipe: the driver sends no BEGIN; we send BEGIN IMMEDIATE."""
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -210,13 +210,17 @@ def head_revision() -> str:
     return head
 
 
+def _known_revisions() -> set[str]:
+    return {s.revision for s in ScriptDirectory.from_config(_alembic_config()).walk_revisions()}
+
+
 def upgrade_database(url_or_engine: str | URL | Engine, revision: str = "head") -> str | None:
     """Create or upgrade dualwrite's tables to ``revision``; safe to run again and concurrently.
 
     Returns the revision the database is at afterwards.
     """
     owned = not isinstance(url_or_engine, Engine)
-    engine = create_engine(url_or_engine) if not isinstance(url_or_engine, Engine) else url_or_engine
+    engine = url_or_engine if isinstance(url_or_engine, Engine) else create_engine(url_or_engine)
     try:
         logger.info("upgrading dualwrite schema of %s to %s", mask_url(engine.url), revision)
         cfg = _alembic_config()
@@ -230,7 +234,7 @@ def upgrade_database(url_or_engine: str | URL | Engine, revision: str = "head") 
 
 
 def current_revision(engine: Engine) -> str | None:
-    """dualwrite's schema revision in this database, or None if dualwrite's tables were never made."""
+    """dualwrite's schema revision in this database; None if dualwrite never migrated it."""
     with transaction(engine, read_only=True) as conn:
         ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
         return ctx.get_current_revision()
@@ -264,15 +268,15 @@ def check_schema(engine: Engine) -> None:
             f"the dualwrite tables are missing from {where}. "
             f"Create them with: {upgrade_command(engine.url)}"
         )
-    elif current in {s.revision for s in ScriptDirectory.from_config(_alembic_config()).walk_revisions()}:
+    elif current in _known_revisions():
         message = (
-            f"the dualwrite schema in {where} is at revision {current}, this dualwrite needs {head}. "
-            f"Upgrade it with: {upgrade_command(engine.url)}"
+            f"the dualwrite schema in {where} is at revision {current}, this dualwrite needs "
+            f"{head}. Upgrade it with: {upgrade_command(engine.url)}"
         )
     else:
         message = (
-            f"the dualwrite schema in {where} is at revision {current!r}, which this dualwrite does "
-            f"not know (its newest is {head}); the database was upgraded by a newer dualwrite. "
+            f"the dualwrite schema in {where} is at revision {current!r}, which this dualwrite "
+            f"does not know (its newest is {head}): a newer dualwrite upgraded the database. "
             "Upgrade the dualwrite package."
         )
     raise MigrationRequiredError(message)

@@ -119,6 +119,11 @@ class TwoPhaseProducer:
         value = self._config.get("transaction.timeout.ms")
         return int(value) if value is not None else None
 
+    @property
+    def has_open_transaction(self) -> bool:
+        """A transaction was begun and is neither committed nor aborted yet."""
+        return self._phase in (_Phase.IN_TRANSACTION, _Phase.PREPARED, _Phase.FAILED)
+
     def _ids(self) -> str:
         ident = self._identity
         pid, epoch = (ident.producer_id, ident.epoch) if ident else (-1, -1)

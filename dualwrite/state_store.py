@@ -114,10 +114,10 @@ class StateStore:
         """
         _check("transactional_id", transactional_id, allow_empty=False)
         _require_transaction(conn, "lock")
-        t = self.table
+        t, tid = self.table, transactional_id
         try:
-            conn.execute(self._insert_missing(conn, transactional_id))
-            query = sa.select(t.c.prepared_txn_state).where(t.c.transactional_id == transactional_id)
+            conn.execute(self._insert_missing(conn, tid))
+            query = sa.select(t.c.prepared_txn_state).where(t.c.transactional_id == tid)
             if conn.dialect.name == "postgresql":
                 query = query.with_for_update()
             state: str = conn.execute(query).scalar_one()
@@ -127,7 +127,7 @@ class StateStore:
         return state
 
     def write(self, conn: Connection, transactional_id: str, state: str) -> None:
-        """Store ``state`` for ``transactional_id`` in the caller's transaction (after :meth:`lock`)."""
+        """Store ``state`` in the caller's transaction, which must have called :meth:`lock`."""
         _check("transactional_id", transactional_id, allow_empty=False)
         _check("state", state, allow_empty=True)
         _require_transaction(conn, "write")

@@ -39,7 +39,8 @@ def _run(connection: Connection) -> None:
     with context.begin_transaction():
         if connection.dialect.name == "postgresql":
             # Two processes upgrading at once: the second waits here, then finds nothing to do.
-            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+            lock = text("SELECT pg_advisory_xact_lock(:key)")
+            connection.execute(lock, {"key": MIGRATION_LOCK_KEY})
         context.run_migrations()
 
 

@@ -9,7 +9,10 @@ from dualwrite.dev._util import DevClusterError, docker_available, dualwrite_hom
 from dualwrite.dev.kafka_cluster import (
     DEFAULT_KAFKA_VERSION,
     BrokerNode,
+    ExternalKafkaCluster,
+    KafkaTarget,
     LocalKafkaCluster,
+    create_topic,
     transactional_defaults,
 )
 from dualwrite.dev.postgres_cluster import LocalPostgres
@@ -18,8 +21,11 @@ __all__ = [
     "DEFAULT_KAFKA_VERSION",
     "BrokerNode",
     "DevClusterError",
+    "ExternalKafkaCluster",
+    "KafkaTarget",
     "LocalKafkaCluster",
     "LocalPostgres",
+    "create_topic",
     "docker_available",
     "dualwrite_home",
     "transactional_defaults",

@@ -87,7 +87,9 @@ def parent_death_signal() -> Callable[[], None] | None:
     Keeps a crashed test run from leaving servers behind. Linux ties the signal to the
     creating *thread*, so it is only used when called from the main thread.
     """
-    if not os.uname().sysname == "Linux" or threading.current_thread() is not threading.main_thread():
+    if os.uname().sysname != "Linux":
+        return None
+    if threading.current_thread() is not threading.main_thread():
         return None
     libc = ctypes.CDLL(None, use_errno=True)
 
@@ -115,8 +117,8 @@ def pid_alive(pid: int, must_contain: str | None = None) -> bool:
             if stat.rsplit(")", 1)[1].split()[0] == "Z":
                 return False
             if must_contain is not None:
-                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                return must_contain in cmdline
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
+                return must_contain in cmdline.decode(errors="replace")
         except OSError:
             return False
     return True

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Literal, cast
+from typing import IO, Any, Literal, Protocol, cast
 
 from dualwrite.dev._util import (
     DevClusterError,
@@ -40,7 +40,10 @@ __all__ = [
     "DEFAULT_KAFKA_VERSION",
     "Backend",
     "BrokerNode",
+    "ExternalKafkaCluster",
+    "KafkaTarget",
     "LocalKafkaCluster",
+    "create_topic",
     "transactional_defaults",
 ]
 
@@ -161,6 +164,85 @@ def _run(cmd: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess[s
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
 
 
+class KafkaTarget(Protocol):
+    """What tests need of a cluster, local or external: its address and topic creation."""
+
+    @property
+    def bootstrap_servers(self) -> str: ...
+
+    def create_topic(
+        self,
+        name: str,
+        partitions: int = 3,
+        replication_factor: int | None = None,
+        config: Mapping[str, str] | None = None,
+        timeout: float = 30.0,
+    ) -> str: ...
+
+
+def create_topic(
+    bootstrap_servers: str,
+    name: str,
+    partitions: int = 3,
+    replication_factor: int = 1,
+    config: Mapping[str, str] | None = None,
+    timeout: float = 30.0,
+) -> str:
+    """Create a topic and wait until every partition has a leader; returns ``name``."""
+    from confluent_kafka.admin import AdminClient
+    from confluent_kafka.cimpl import NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+    futures = admin.create_topics(
+        [NewTopic(name, partitions, replication_factor, config=dict(config or {}))],
+        operation_timeout=timeout,
+    )
+    futures[name].result(timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        md = admin.list_topics(name, timeout=5.0).topics.get(name)
+        if (
+            md is not None
+            and md.error is None
+            and len(md.partitions) == partitions
+            and all(p.leader >= 0 for p in md.partitions.values())
+        ):
+            return name
+        time.sleep(0.1)
+    raise DevClusterError(f"topic {name!r} has no leader for every partition after {timeout} s")
+
+
+class ExternalKafkaCluster:
+    """A cluster someone else runs (e.g. ``DUALWRITE_TEST_BOOTSTRAP``): address and topics only."""
+
+    def __init__(self, bootstrap_servers: str, kafka_version: str = "external") -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self.kafka_version = kafka_version
+
+    def __repr__(self) -> str:
+        return f"ExternalKafkaCluster({self.bootstrap_servers!r})"
+
+    @property
+    def brokers(self) -> int:
+        """How many brokers the cluster metadata lists now."""
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers})
+        return len(admin.list_topics(timeout=10.0).brokers)
+
+    def create_topic(
+        self,
+        name: str,
+        partitions: int = 3,
+        replication_factor: int | None = None,
+        config: Mapping[str, str] | None = None,
+        timeout: float = 30.0,
+    ) -> str:
+        """Create a topic (RF = min(brokers, 3) by default) and wait until it has leaders."""
+        rf = replication_factor or min(self.brokers, 3)
+        return create_topic(self.bootstrap_servers, name, partitions, rf, config, timeout)
+
+
 class LocalKafkaCluster:
     """Start, stop, kill and restart a local KRaft Kafka cluster on free loopback ports.
 
@@ -279,7 +361,7 @@ class LocalKafkaCluster:
             self._stop_docker()
         else:
             for node in self.nodes:
-                if node.pid is not None and pid_alive(node.pid):
+                if node.pid is not None and pid_alive(node.pid, _MAIN_CLASS):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(node.pid, 15)
             for node in self.nodes:
@@ -327,9 +409,7 @@ class LocalKafkaCluster:
         """Whether the process (or container) of broker ``index`` is alive."""
         node = self.nodes[index]
         if self.backend == "docker":
-            result = _run(
-                ["docker", "inspect", "-f", "{{.State.Running}}", self._container(node)]
-            )
+            result = _run(["docker", "inspect", "-f", "{{.State.Running}}", self._container(node)])
             return result.returncode == 0 and result.stdout.strip() == "true"
         return node.pid is not None and pid_alive(node.pid, _MAIN_CLASS)
 
@@ -353,13 +433,11 @@ class LocalKafkaCluster:
         while True:
             self._check_alive()
             if admin is None and all(port_open(n.port) for n in self.nodes):
-                admin = AdminClient(
-                    {
-                        "bootstrap.servers": self.bootstrap_servers,
-                        "logger": logging.getLogger("dualwrite.dev.librdkafka"),
-                        "log_level": 3,
-                    }
-                )
+                conf: dict[str, Any] = {
+                    "bootstrap.servers": self.bootstrap_servers,
+                    "logger": logging.getLogger("dualwrite.dev.librdkafka"),
+                }
+                admin = AdminClient(conf)
             if admin is not None:
                 try:
                     metadata = admin.list_topics(timeout=2.0)
@@ -384,25 +462,9 @@ class LocalKafkaCluster:
         config: Mapping[str, str] | None = None,
         timeout: float = 30.0,
     ) -> str:
-        """Create a topic and wait until its metadata has a leader for every partition."""
-        from confluent_kafka.admin import AdminClient, NewTopic
-
+        """Create a topic (RF = min(brokers, 3) by default) and wait until it has leaders."""
         rf = replication_factor or min(len(self.nodes), 3)
-        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers})
-        futures = admin.create_topics(
-            [NewTopic(name, partitions, rf, config=dict(config or {}))],
-            operation_timeout=timeout,
-        )
-        futures[name].result(timeout)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            md = admin.list_topics(name, timeout=5.0).topics.get(name)
-            if md is not None and md.error is None and len(md.partitions) == partitions and all(
-                p.leader >= 0 for p in md.partitions.values()
-            ):
-                return name
-            time.sleep(0.1)
-        raise DevClusterError(f"topic {name!r} has no leader for every partition after {timeout} s")
+        return create_topic(self.bootstrap_servers, name, partitions, rf, config, timeout)
 
     # -- state for detached clusters --------------------------------------------------------
 
@@ -607,7 +669,9 @@ class LocalKafkaCluster:
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                log.warning("broker %d ignored SIGTERM for %.0f s; killing it", node.node_id, timeout)
+                log.warning(
+                    "broker %d ignored SIGTERM for %.0f s; killing it", node.node_id, timeout
+                )
                 proc.kill()
                 proc.wait(timeout=10)
         elif node.pid is not None:
@@ -622,6 +686,8 @@ class LocalKafkaCluster:
             for node in self.nodes:
                 if node.directory:
                     shutil.rmtree(node.directory, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                self.data_dir.rmdir()  # only if now empty
 
     # docker backend
 

@@ -1,2 +1,333 @@
-"""placeholder"""
-class LocalPostgres: ...
+"""A throwaway PostgreSQL server on a free loopback port, for tests and local development.
+
+The ``binaries`` backend runs ``initdb`` and ``postgres`` from a local installation in a
+temporary directory. PostgreSQL refuses to run as root, so as root the server runs as the
+``postgres`` user (or ``nobody``). The ``docker`` backend runs the official ``postgres`` image.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from dualwrite.dev._util import (
+    DevClusterError,
+    docker_available,
+    free_ports,
+    parent_death_signal,
+    tail,
+)
+
+__all__ = ["DEFAULT_SETTINGS", "LocalPostgres", "find_postgres_bindir"]
+
+log = logging.getLogger(__name__)
+
+PgBackend = Literal["auto", "binaries", "docker"]
+DATABASE = "dualwrite"
+USER = "dualwrite"
+DOCKER_IMAGE = "postgres:16"
+
+# Durability is traded for speed: a test database needs none, and these make commits ~10x faster.
+DEFAULT_SETTINGS: dict[str, str] = {
+    "fsync": "off",
+    "synchronous_commit": "off",
+    "full_page_writes": "off",
+    "max_prepared_transactions": "0",
+    "max_connections": "100",
+    "shared_buffers": "64MB",
+}
+
+
+def find_postgres_bindir() -> Path:
+    """The folder holding ``initdb`` and ``postgres``.
+
+    Tried in order: ``$DUALWRITE_PG_BINDIR``, ``pg_config --bindir``, the newest
+    ``/usr/lib/postgresql/*/bin``, and ``initdb`` on PATH.
+    """
+    candidates: list[Path] = []
+    if os.environ.get("DUALWRITE_PG_BINDIR"):
+        candidates.append(Path(os.environ["DUALWRITE_PG_BINDIR"]))
+    pg_config = shutil.which("pg_config")
+    if pg_config:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(
+                [pg_config, "--bindir"], capture_output=True, text=True, timeout=10, check=True
+            )
+            candidates.append(Path(out.stdout.strip()))
+
+    def _version(p: str) -> float:
+        try:
+            return float(Path(p).parent.name)
+        except ValueError:
+            return 0.0
+
+    candidates += [
+        Path(p) for p in sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=_version)[::-1]
+    ]
+    initdb = shutil.which("initdb")
+    if initdb:
+        candidates.append(Path(initdb).parent)
+    for bindir in candidates:
+        if (bindir / "initdb").is_file() and (bindir / "postgres").is_file():
+            return bindir
+    raise DevClusterError(
+        "PostgreSQL server binaries (initdb, postgres) not found: install them (e.g. "
+        "`apt-get install postgresql`), set DUALWRITE_PG_BINDIR to their folder, or run a "
+        "Docker engine for the docker backend"
+    )
+
+
+def _server_user() -> pwd.struct_passwd | None:
+    """The account to run PostgreSQL as: None (ourselves) unless we are root."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("postgres", "nobody"):
+        with contextlib.suppress(KeyError):
+            return pwd.getpwnam(name)
+    raise DevClusterError(
+        "running as root, and neither a 'postgres' nor a 'nobody' user exists; PostgreSQL "
+        "refuses to run as root: create a 'postgres' user or run as a normal user"
+    )
+
+
+class LocalPostgres:
+    """Start and stop a PostgreSQL server with database ``dualwrite`` owned by user ``dualwrite``.
+
+    Authentication is ``trust`` on 127.0.0.1 only; the server exists for tests.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path | None = None,
+        *,
+        settings: Mapping[str, str] | None = None,
+        backend: PgBackend = "auto",
+        startup_timeout: float = 60.0,
+    ) -> None:
+        if backend not in ("auto", "binaries", "docker"):
+            raise ValueError(f"backend must be 'auto', 'binaries' or 'docker', not {backend!r}")
+        self.requested_backend: PgBackend = backend
+        self.backend: Literal["binaries", "docker"] | None = None
+        self.settings = {**DEFAULT_SETTINGS, **(settings or {})}
+        self.startup_timeout = startup_timeout
+        self._given_data_dir = data_dir
+        self.data_dir: Path | None = data_dir
+        self.port: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._container: str | None = None
+        self._url: str | None = None
+
+    def __enter__(self) -> LocalPostgres:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        backend = self.backend or self.requested_backend
+        return f"LocalPostgres(backend={backend!r}, url={self._url!r})"
+
+    @property
+    def url(self) -> str:
+        """SQLAlchemy URL: ``postgresql+psycopg://dualwrite@127.0.0.1:<port>/dualwrite``."""
+        if self._url is None:
+            raise DevClusterError("PostgreSQL is not started: call start() first")
+        return self._url
+
+    @property
+    def dsn(self) -> str:
+        """libpq connection string (for psycopg directly)."""
+        return self.url.replace("postgresql+psycopg://", "postgresql://", 1)
+
+    def start(self) -> None:
+        """Create the cluster, start the server and create the ``dualwrite`` database."""
+        if self._url is not None:
+            raise DevClusterError("PostgreSQL is already started")
+        started = time.monotonic()
+        self.backend = self._choose_backend()
+        try:
+            if self.backend == "docker":
+                self._start_docker()
+            else:
+                self._start_binaries()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.stop()
+            raise
+        log.info("PostgreSQL ready at %s in %.1f s", self._url, time.monotonic() - started)
+
+    def stop(self) -> None:
+        """Fast shutdown (SIGINT: roll back sessions), SIGKILL if it hangs, then remove the data."""
+        if self._container is not None:
+            subprocess.run(
+                ["docker", "rm", "-f", "-v", self._container], capture_output=True, check=False
+            )
+            self._container = None
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.send_signal(2)
+                try:
+                    self._proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait(timeout=10)
+            self._proc = None
+        if self.data_dir is not None and self.backend == "binaries":
+            target = self.data_dir if self._given_data_dir is None else self.data_dir / "pgdata"
+            shutil.rmtree(target, ignore_errors=True)
+            if self._given_data_dir is None:
+                self.data_dir = None
+        self._url = None
+
+    def log_text(self) -> str:
+        """The server log so far."""
+        if self._container is not None:
+            result = subprocess.run(
+                ["docker", "logs", self._container], capture_output=True, text=True, check=False
+            )
+            return result.stdout + result.stderr
+        if self.data_dir is None:
+            return ""
+        path = self.data_dir / "postgres.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _choose_backend(self) -> Literal["binaries", "docker"]:
+        if self.requested_backend == "docker":
+            if not docker_available():
+                raise DevClusterError(
+                    "backend='docker' but no Docker engine answers `docker info`; start Docker "
+                    "or use backend='binaries'"
+                )
+            return "docker"
+        if self.requested_backend == "binaries":
+            return "binaries"
+        return "docker" if docker_available() else "binaries"
+
+    def _start_binaries(self) -> None:
+        bindir = find_postgres_bindir()
+        user = _server_user()
+        if self.data_dir is None:
+            self.data_dir = Path(tempfile.mkdtemp(prefix="dualwrite-pg-"))
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        pgdata = self.data_dir / "pgdata"
+        if pgdata.exists():
+            shutil.rmtree(pgdata)
+        if user is not None:
+            os.chown(self.data_dir, user.pw_uid, user.pw_gid)
+            probe = subprocess.run(
+                ["test", "-w", str(self.data_dir)], user=user.pw_uid, group=user.pw_gid,
+                extra_groups=[], check=False,
+            )  # fmt: skip
+            if probe.returncode != 0:
+                raise DevClusterError(
+                    f"user {user.pw_name!r} cannot write {self.data_dir} (a parent folder is "
+                    "not reachable for it); choose a data_dir under /tmp"
+                )
+        run_as: dict[str, Any] = (
+            {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []} if user else {}
+        )
+        initdb = subprocess.run(
+            [str(bindir / "initdb"), "-D", str(pgdata), "-U", USER, "--auth=trust", "-E", "UTF8",
+             "--locale=C", "--no-sync"],
+            capture_output=True, text=True, timeout=120, check=False, **run_as,
+        )  # fmt: skip
+        if initdb.returncode != 0:
+            raise DevClusterError(f"initdb failed:\n{initdb.stdout}\n{initdb.stderr}")
+        (self.port,) = free_ports(1)
+        conf = {
+            **self.settings,
+            "listen_addresses": "'127.0.0.1'",
+            "port": str(self.port),
+            "unix_socket_directories": f"'{self.data_dir}'",
+        }
+        with (pgdata / "postgresql.conf").open("a", encoding="utf-8") as f:
+            f.write("\n# added by dualwrite.dev\n")
+            f.writelines(f"{k} = {v}\n" for k, v in conf.items())
+        logfile = self.data_dir / "postgres.log"
+        with logfile.open("ab") as out:
+            if user is not None:
+                os.chown(logfile, user.pw_uid, user.pw_gid)
+            self._proc = subprocess.Popen(
+                [str(bindir / "postgres"), "-D", str(pgdata)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=parent_death_signal(), **run_as,
+            )  # fmt: skip
+        self._url = f"postgresql+psycopg://{USER}@127.0.0.1:{self.port}/{DATABASE}"
+        self._wait_and_create_db()
+
+    def _wait_and_create_db(self) -> None:
+        import psycopg
+
+        deadline = time.monotonic() + self.startup_timeout
+        admin_dsn = f"host=127.0.0.1 port={self.port} user={USER} dbname=postgres"
+        while True:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise DevClusterError(
+                    f"postgres exited with code {self._proc.returncode} during startup:\n"
+                    f"{tail(self.data_dir / 'postgres.log') if self.data_dir else ''}"
+                )
+            try:
+                with psycopg.connect(admin_dsn, autocommit=True, connect_timeout=2) as conn:
+                    conn.execute(f"CREATE DATABASE {DATABASE}")
+                return
+            except psycopg.OperationalError as e:
+                if time.monotonic() > deadline:
+                    raise DevClusterError(
+                        f"PostgreSQL did not accept connections within {self.startup_timeout} s: "
+                        f"{e}\n{tail(self.data_dir / 'postgres.log') if self.data_dir else ''}"
+                    ) from e
+                time.sleep(0.1)
+
+    def _start_docker(self) -> None:
+        (self.port,) = free_ports(1)
+        name = f"dualwrite-pg-{self.port}"
+        cmd = ["docker", "run", "-d", "--name", name, "--label", "dualwrite.dev=postgres"]
+        cmd += ["-p", f"127.0.0.1:{self.port}:5432", "-e", f"POSTGRES_USER={USER}"]
+        cmd += ["-e", f"POSTGRES_DB={DATABASE}", "-e", "POSTGRES_HOST_AUTH_METHOD=trust"]
+        cmd.append(DOCKER_IMAGE)
+        for key, value in self.settings.items():
+            cmd += ["-c", f"{key}={value}"]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+        if result.returncode != 0:
+            raise DevClusterError(f"`docker run {DOCKER_IMAGE}` failed: {result.stderr.strip()}")
+        self._container = name
+        self._url = f"postgresql+psycopg://{USER}@127.0.0.1:{self.port}/{DATABASE}"
+        self._wait_for_docker()
+
+    def _wait_for_docker(self) -> None:
+        import psycopg
+
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            try:
+                # The image's first (initdb) server listens on no TCP port, so a TCP
+                # connection only succeeds with the final server.
+                with psycopg.connect(self.dsn, connect_timeout=2) as conn:
+                    conn.execute("SELECT 1")
+                return
+            except psycopg.OperationalError as e:
+                if time.monotonic() > deadline:
+                    raise DevClusterError(
+                        f"PostgreSQL (docker) did not start within {self.startup_timeout} s: "
+                        f"{e}\n{self.log_text()[-3000:]}"
+                    ) from e
+            time.sleep(0.2)

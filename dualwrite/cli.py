@@ -1,0 +1,283 @@
+"""The ``dualwrite`` command: recover after crashes, inspect, force-terminate, migrate, probe.
+
+Exit codes (stable, for scripts and operators):
+
+==  ==========================================================================
+0   everything resolved / the command did what it said
+1   an error that is not one of the below (the message says what to do)
+2   bad usage (unknown option, malformed argument)
+3   a heuristic outcome: the database committed, Kafka aborted; a human must act
+4   the Kafka cluster or the database could not be reached
+5   some transactional ids could not be resolved (see the report); retry
+==  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from dualwrite.client_config import load_properties
+from dualwrite.control_plane import ControlPlane
+from dualwrite.database import create_engine, mask_url, upgrade_database
+from dualwrite.errors import (
+    BrokerUnreachableError,
+    DatabaseUnreachableError,
+    DualWriteError,
+    HeuristicOutcomeError,
+)
+from dualwrite.recovery import RecoveryResult, recover, status
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_HEURISTIC = 3
+EXIT_UNREACHABLE = 4
+EXIT_UNRESOLVED = 5
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def _guarded(fn: F) -> F:
+    """Turn dualwrite's exceptions into a message and the documented exit code."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (BrokerUnreachableError, DatabaseUnreachableError) as exc:
+            _fail(str(exc), EXIT_UNREACHABLE)
+        except HeuristicOutcomeError as exc:
+            _fail(str(exc), EXIT_HEURISTIC)
+        except DualWriteError as exc:
+            _fail(str(exc), EXIT_ERROR)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _kafka_config(bootstrap: str | None, properties: str | None) -> dict[str, Any]:
+    config: dict[str, Any] = dict(load_properties(properties)) if properties else {}
+    if bootstrap:
+        config["bootstrap.servers"] = bootstrap
+    if "bootstrap.servers" not in config:
+        _fail("no Kafka cluster given: pass --bootstrap-servers, a --kafka-properties file with "
+              "bootstrap.servers, or set DUALWRITE_BOOTSTRAP_SERVERS", EXIT_USAGE)
+    return config
+
+
+def kafka_options(fn: F) -> F:
+    fn = click.option("--kafka-properties", "kafka_properties", type=click.Path(dir_okay=False),
+                      help="Kafka client settings (security.protocol, sasl.*, ssl.*) as a "
+                      "key=value file, librdkafka names.")(fn)
+    fn = click.option("--bootstrap-servers", "-b", envvar="DUALWRITE_BOOTSTRAP_SERVERS",
+                      help="Kafka bootstrap servers [env DUALWRITE_BOOTSTRAP_SERVERS].")(fn)
+    return fn
+
+
+def db_option(fn: F) -> F:
+    return click.option("--db", "db_url", envvar="DUALWRITE_DB", required=True,
+                        help="Database URL, e.g. sqlite:///app.db or "
+                        "postgresql://user@host/db [env DUALWRITE_DB].")(fn)
+
+
+def timeout_option(fn: F) -> F:
+    return click.option("--timeout", "timeout_s", type=float, default=30.0, show_default=True,
+                        help="Seconds to wait for Kafka and the database per call.")(fn)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
+@click.version_option(package_name="dualwrite")
+def main(verbose: int) -> None:
+    """dualwrite: atomic writes to a SQL database and Kafka (KIP-939 two-phase commit).
+
+    Applications use the library; this command is for operators: finish in-doubt transactions
+    after a crash (recover), see what is open and for how long (status), end a stuck
+    transaction by force (force-terminate), create the state table (db upgrade), check what a
+    cluster supports (probe), and run a local Kafka for development (dev).
+    """
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@main.command()
+@kafka_options
+@timeout_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--no-2pc-check", is_flag=True,
+              help="Do not send InitProducerId v6 (it fences the id 'dualwrite-probe').")
+@_guarded
+def probe(bootstrap_servers: str | None, kafka_properties: str | None, timeout_s: float,
+          as_json: bool, no_2pc_check: bool) -> None:
+    """What a Kafka cluster supports for two-phase commit."""
+    config = _kafka_config(bootstrap_servers, kafka_properties)
+    with ControlPlane(config, timeout_s=timeout_s) as cp:
+        result = cp.probe(check_2pc=not no_2pc_check)
+    if as_json:
+        click.echo(json.dumps(result.as_dict(), indent=2))
+        return
+    for b in result.brokers:
+        click.echo(f"broker {b.node_id} at {b.host}:{b.port}: {b.software}")
+    def version(key: int) -> str:
+        ranges = [b.api_versions.get(key) for b in result.brokers]
+        return ", ".join(f"v{r.min_version}-v{r.max_version}" if r else "absent" for r in ranges)
+    click.echo(f"transaction.version (finalized): {result.transaction_version}")
+    click.echo(f"transaction.max.timeout.ms: {result.max_transaction_timeout_ms}")
+    click.echo(f"transaction.two.phase.commit.enable: {result.two_phase_commit_enabled}")
+    for key, name in ((22, "InitProducerId"), (26, "EndTxn"), (61, "DescribeProducers"),
+                      (65, "DescribeTransactions"), (66, "ListTransactions")):
+        click.echo(f"{name:>22}: {version(key)}")
+    click.echo(f"InitProducerId v6 Enable2Pc: {result.enable_2pc}")
+    click.echo(f"InitProducerId v6 KeepPreparedTxn: {result.keep_prepared_txn}")
+
+
+@main.command(name="recover")
+@db_option
+@kafka_options
+@timeout_option
+@click.option("--transactional-id", "-t", "transactional_ids", multiple=True,
+              help="Only these ids (repeatable); default: every id in the state table.")
+@click.option("--parallelism", type=click.IntRange(1, 64), default=8, show_default=True)
+@click.option("--acknowledge-heuristic", is_flag=True,
+              help="Clear heuristic-abort states after you re-published their records.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@_guarded
+def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties: str | None,
+                    timeout_s: float, transactional_ids: tuple[str, ...], parallelism: int,
+                    acknowledge_heuristic: bool, as_json: bool) -> None:
+    """Commit or abort every in-doubt transaction, as the database decided.
+
+    Exit 0 when all are resolved, 3 on a heuristic outcome, 4 when Kafka or the database
+    cannot be reached, 5 when some ids are still unresolved.
+    """
+    config = _kafka_config(bootstrap_servers, kafka_properties)
+    engine = create_engine(db_url)
+    ids = list(transactional_ids) or None
+    show_bar = not as_json and sys.stderr.isatty()
+    bar_ctx = click.progressbar(length=len(ids) if ids else 0, label="recovering",
+                                file=sys.stderr) if show_bar and ids else None
+
+    def progress(result: RecoveryResult) -> None:
+        if bar_ctx is not None:
+            bar_ctx.update(1)
+
+    report = recover(engine, config, ids, parallelism=parallelism, timeout_s=timeout_s,
+                     acknowledge_heuristic=acknowledge_heuristic, progress=progress)
+    if bar_ctx is not None:
+        bar_ctx.render_finish()
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), indent=2))
+    else:
+        for r in report.results:
+            line = f"{r.transactional_id}: {r.outcome.value}"
+            click.echo(line + (f" — {r.detail}" if r.detail else ""))
+        counts = ", ".join(f"{k}={v}" for k, v in report.as_dict()["counts"].items())
+        click.echo(f"{len(report.results)} transactional ids in {report.elapsed_s:.2f} s"
+                   + (f": {counts}" if counts else ""))
+    if report.heuristic:
+        sys.exit(EXIT_HEURISTIC)
+    if any(r.unreachable for r in report.failed):
+        sys.exit(EXIT_UNREACHABLE)
+    if report.failed:
+        sys.exit(EXIT_UNRESOLVED)
+
+
+@main.command(name="status")
+@db_option
+@kafka_options
+@timeout_option
+@click.option("--prefix", help="Look for hanging transactions only among ids with this prefix.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_guarded
+def status_command(db_url: str, bootstrap_servers: str | None, kafka_properties: str | None,
+                   timeout_s: float, prefix: str | None, as_json: bool) -> None:
+    """In-doubt transactions (state table joined with the brokers' view) and hanging ones."""
+    config = _kafka_config(bootstrap_servers, kafka_properties)
+    report = status(create_engine(db_url), config, prefix=prefix, timeout_s=timeout_s)
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), indent=2))
+        return
+    click.echo(f"{'transactional id':<32} {'broker state':<15} {'open for':>10}  prepared state")
+    for r in report.rows:
+        b = r.broker
+        opened = r.open_for_ms
+        click.echo(f"{r.transactional_id:<32} {(b.state.value if b else 'unknown'):<15} "
+                   f"{(f'{opened / 1000:.1f}s' if opened is not None else '-'):>10}  "
+                   f"{r.state or '(none)'}")
+    click.echo(f"in doubt: {sum(1 for r in report.rows if r.in_doubt)}; "
+               f"ActiveTransactionOpenTimeMaxMs: {report.active_transaction_open_time_max_ms}")
+    if report.hanging:
+        click.echo("hanging (open at the broker, no state row):")
+        for h in report.hanging:
+            click.echo(f"  {h.transactional_id} producer_id={h.producer_id} epoch={h.epoch} "
+                       f"{h.state.value} open for {(h.open_for_ms() or 0) / 1000:.1f}s")
+    else:
+        click.echo("hanging: none")
+
+
+@main.command(name="force-terminate")
+@kafka_options
+@timeout_option
+@click.option("--transactional-id", "-t", "transactional_id", required=True)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@_guarded
+def force_terminate(bootstrap_servers: str | None, kafka_properties: str | None,
+                    timeout_s: float, transactional_id: str, yes: bool) -> None:
+    """Abort the open transaction of an id and fence its producer (KIP-939's
+    forceTerminateTransaction). Records of that transaction are lost even if a database decided
+    to commit it: prefer `dualwrite recover`."""
+    if not yes and not click.confirm(f"Abort the open transaction of {transactional_id!r} and "
+                                     "fence its producer?"):
+        _fail("not confirmed", EXIT_ERROR)
+    config = _kafka_config(bootstrap_servers, kafka_properties)
+    with ControlPlane(config, timeout_s=timeout_s) as cp:
+        before = cp.describe_transaction(transactional_id)
+        identity = cp.fence(transactional_id)
+    was = f"{before.state.value} (producer_id={before.producer_id}, epoch={before.epoch})" \
+        if before else "unknown to the coordinator"
+    click.echo(f"{transactional_id}: was {was}; now producer_id={identity.producer_id} "
+               f"epoch={identity.epoch}, no open transaction")
+
+
+@main.group()
+def db() -> None:
+    """The dualwrite state table in your database."""
+
+
+@db.command(name="upgrade")
+@db_option
+@_guarded
+def db_upgrade(db_url: str) -> None:
+    """Create or migrate the state table (Alembic, own version table)."""
+    started = time.monotonic()
+    revision = upgrade_database(db_url)
+    click.echo(f"{mask_url(db_url)} is at revision {revision} "
+               f"({time.monotonic() - started:.2f} s)")
+
+
+def _attach_dev() -> None:
+    try:
+        from dualwrite.dev.cli import dev
+    except ImportError:  # pragma: no cover - the dev package ships with dualwrite
+        return
+    main.add_command(dev)
+
+
+_attach_dev()
+
+if __name__ == "__main__":  # pragma: no cover
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

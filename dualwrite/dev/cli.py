@@ -1,0 +1,179 @@
+"""``dualwrite dev up|status|down``: a detached local Kafka cluster for development."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, cast
+
+import click
+
+from dualwrite.dev._util import DevClusterError, dualwrite_home, pid_alive, port_open
+from dualwrite.dev.kafka_cluster import DEFAULT_KAFKA_VERSION, Backend, LocalKafkaCluster
+
+__all__ = ["dev", "state_file"]
+
+TWO_PC_CONFIG = {
+    "transaction.two.phase.commit.enable": "true",
+    "unstable.api.versions.enable": "true",
+}
+
+
+def state_file() -> Path:
+    """Where ``dev up`` records the running cluster: ``$DUALWRITE_HOME/dev/cluster.json``."""
+    return dualwrite_home() / "dev" / "cluster.json"
+
+
+def _node_status(cluster: LocalKafkaCluster) -> list[dict[str, Any]]:
+    rows = []
+    for node in cluster.nodes:
+        if cluster.backend == "docker":
+            alive = cluster.is_running(node.index)
+        else:
+            alive = node.pid is not None and pid_alive(node.pid, "kafka.Kafka")
+        rows.append(
+            {
+                "node_id": node.node_id,
+                "address": node.address,
+                "pid": node.pid,
+                "container": node.container,
+                "process": alive,
+                "port_open": port_open(node.port),
+            }
+        )
+    return rows
+
+
+def _load() -> LocalKafkaCluster | None:
+    path = state_file()
+    if not path.exists():
+        return None
+    try:
+        return LocalKafkaCluster.from_state(path)
+    except (ValueError, KeyError, TypeError) as e:
+        raise click.ClickException(
+            f"cannot read {path} ({e}); stop the brokers by hand and delete the file"
+        ) from e
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log what is being done.")
+def dev(verbose: bool) -> None:
+    """Run a local Kafka cluster (KRaft) for development and tests."""
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+@dev.command()
+@click.option("--brokers", type=click.Choice(["1", "3"]), default="1", show_default=True)
+@click.option("--kafka-version", default=DEFAULT_KAFKA_VERSION, show_default=True)
+@click.option(
+    "--backend", type=click.Choice(["auto", "jars", "docker"]), default="auto", show_default=True
+)
+@click.option(
+    "--two-phase-commit", "two_pc", is_flag=True,
+    help="Enable KIP-939 on the brokers (transaction.two.phase.commit.enable and "
+    "unstable.api.versions.enable).",
+)  # fmt: skip
+@click.option(
+    "--config", "configs", multiple=True, metavar="KEY=VALUE", help="Extra broker setting."
+)
+@click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for brokers.")
+@click.option("--json", "as_json", is_flag=True, help="Print the cluster state as JSON.")
+def up(
+    brokers: str,
+    kafka_version: str,
+    backend: str,
+    two_pc: bool,
+    configs: tuple[str, ...],
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """Start a detached cluster and print its bootstrap address."""
+    existing = _load()
+    if existing is not None:
+        if any(row["process"] for row in _node_status(existing)):
+            raise click.ClickException(
+                f"a dev cluster is already running at {existing.bootstrap_servers}; "
+                "run `dualwrite dev down` first"
+            )
+        existing.stop()  # stale state: clean up what is left
+        state_file().unlink(missing_ok=True)
+    extra = dict(TWO_PC_CONFIG) if two_pc else {}
+    for item in configs:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--config")
+        extra[key.strip()] = value.strip()
+    cluster = LocalKafkaCluster(
+        brokers=int(brokers),
+        kafka_version=kafka_version,
+        data_dir=dualwrite_home() / "dev" / "kafka",
+        extra_config=extra,
+        backend=cast(Backend, backend),
+        detach=True,
+        startup_timeout=timeout,
+    )
+    try:
+        cluster.start()
+    except DevClusterError as e:
+        raise click.ClickException(str(e)) from e
+    cluster.save_state(state_file())
+    if as_json:
+        click.echo(json.dumps(cluster.to_state(), indent=2))
+        return
+    click.echo(
+        f"Kafka {kafka_version} ({brokers} broker(s), {cluster.backend} backend) is up at "
+        f"{cluster.bootstrap_servers}"
+    )
+    click.echo(f"export DUALWRITE_BOOTSTRAP_SERVERS={cluster.bootstrap_servers}")
+
+
+@dev.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def status(as_json: bool) -> None:
+    """Show whether the dev cluster runs. Exit code 0: all up, 1: some down, 3: none."""
+    cluster = _load()
+    if cluster is None:
+        if as_json:
+            click.echo(json.dumps({"running": False, "nodes": []}))
+        else:
+            click.echo("no dev cluster (start one with `dualwrite dev up`)")
+        sys.exit(3)
+    rows = _node_status(cluster)
+    up_count = sum(1 for r in rows if r["process"] and r["port_open"])
+    if as_json:
+        state = cluster.to_state()
+        state.update(running=up_count == len(rows), nodes=rows)
+        click.echo(json.dumps(state, indent=2))
+    else:
+        click.echo(
+            f"Kafka {cluster.kafka_version}, {cluster.backend} backend, "
+            f"{up_count}/{len(rows)} broker(s) up, bootstrap {cluster.bootstrap_servers}"
+        )
+        for r in rows:
+            where = f"pid {r['pid']}" if r["pid"] is not None else f"container {r['container']}"
+            state_text = "up" if r["process"] and r["port_open"] else "DOWN"
+            click.echo(f"  node {r['node_id']} {r['address']} ({where}): {state_text}")
+    if up_count == len(rows):
+        sys.exit(0)
+    sys.exit(1 if up_count else 3)
+
+
+@dev.command()
+@click.option("--keep-data", is_flag=True, help="Keep the broker data directories.")
+def down(keep_data: bool) -> None:
+    """Stop the dev cluster (SIGTERM, then SIGKILL) and remove its data."""
+    cluster = _load()
+    if cluster is None:
+        click.echo("no dev cluster is running")
+        return
+    where = cluster.bootstrap_servers
+    cluster.stop(keep_data=keep_data)
+    state_file().unlink(missing_ok=True)
+    click.echo(f"stopped the dev cluster at {where}")

@@ -1,0 +1,175 @@
+"""DualWriter: KIP-939's dual-write recipe as one ``with`` block.
+
+Per transaction: lock the state row; finish whatever the stored state says is in doubt; begin the
+Kafka transaction; the application writes rows and produces records; prepare; write the new state
+in the same database transaction; **the database commit is the decision**; commit Kafka.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import Connection, Engine
+
+from dualwrite.database import create_engine, transaction
+from dualwrite.errors import DatabaseUnreachableError, FatalError, HeuristicAbortError
+from dualwrite.prepared_state import PreparedTxnState
+from dualwrite.producer import Headers, TwoPhaseProducer
+from dualwrite.state_store import StateStore
+
+__all__ = ["DualWriteTransaction", "DualWriter"]
+
+log = logging.getLogger(__name__)
+
+HeuristicHook = Callable[[HeuristicAbortError, Connection], None]
+
+
+class DualWriteTransaction:
+    """Handle for the body of ``DualWriter.transaction()``: a DB connection and ``produce``."""
+
+    def __init__(self, connection: Connection, producer: TwoPhaseProducer) -> None:
+        self.connection = connection
+        """The SQLAlchemy connection of the database transaction; write your rows with it."""
+        self._producer = producer
+        self.state: PreparedTxnState | None = None
+        """The prepared state, set once the block has prepared (for logging and tests)."""
+
+    def produce(self, topic: str, value: bytes | str | None = None,
+                key: bytes | str | None = None, *, partition: int | None = None,
+                headers: Headers | None = None) -> None:
+        """Send a record in this transaction; it becomes visible iff the rows commit."""
+        self._producer.produce(topic, value=value, key=key, partition=partition,
+                               headers=headers)
+
+
+class DualWriter:
+    """Writes database rows and Kafka records atomically, for one transactional id.
+
+    ``engine`` is an SQLAlchemy engine or URL (SQLite and PostgreSQL). One DualWriter serves one
+    thread at a time; run one per transactional id for parallelism. ``on_heuristic_abort`` is
+    called (inside the next database transaction, with its connection) when Kafka aborted a
+    transaction the database committed, so the application can re-publish those rows; without it
+    :class:`HeuristicAbortError` is raised and the writer refuses to continue until recovery
+    acknowledges it.
+    """
+
+    def __init__(self, engine: Engine | str, kafka_config: Mapping[str, Any], *,
+                 transactional_id: str | None = None,
+                 on_heuristic_abort: HeuristicHook | None = None,
+                 timeout_s: float = 30.0, state_store: StateStore | None = None) -> None:
+        self._engine = create_engine(engine) if isinstance(engine, str) else engine
+        config = dict(kafka_config)
+        if transactional_id is not None:
+            config["transactional.id"] = transactional_id
+        if not config.get("transactional.id"):
+            raise FatalError("DualWriter needs a transactional_id")
+        self._tid = str(config["transactional.id"])
+        self._config = config
+        self._timeout_s = timeout_s
+        self._store = state_store or StateStore(self._engine)
+        self._hook = on_heuristic_abort
+        self._producer: TwoPhaseProducer | None = None
+        self._verifier = ThreadPoolExecutor(1, thread_name_prefix=f"dualwrite-verify-{self._tid}")
+
+    @property
+    def transactional_id(self) -> str:
+        return self._tid
+
+    @property
+    def producer(self) -> TwoPhaseProducer:
+        if self._producer is None:
+            producer = TwoPhaseProducer(self._config, timeout_s=self._timeout_s)
+            producer.init_transactions(keep_prepared_txn=True)
+            self._producer = producer
+        return self._producer
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
+        self._verifier.shutdown(wait=False)
+
+    def __enter__(self) -> DualWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _finish_in_doubt(self, conn: Connection, producer: TwoPhaseProducer, stored: str) -> None:
+        """Finish what the stored state says, unless this session committed it itself."""
+        state = PreparedTxnState.parse(stored)
+        try:
+            producer.complete_transaction(state)
+        except HeuristicAbortError as exc:
+            if self._hook is None:
+                raise
+            log.error("heuristic abort, calling the re-publish hook: %s", exc)
+            self._hook(exc, conn)
+
+    @contextmanager
+    def transaction(self) -> Iterator[DualWriteTransaction]:
+        """One atomic unit: rows written with ``tx.connection`` and records from ``tx.produce``."""
+        producer = self.producer
+        conn = self._engine.connect()
+        try:
+            db_tx = conn.begin()
+            try:
+                stored = self._store.lock(conn, self._tid)
+                self._finish_in_doubt(conn, producer, stored)
+                producer.begin_transaction()
+                tx = DualWriteTransaction(conn, producer)
+                yield tx
+                state = producer.flush_and_state()
+                # The coordinator round trip overlaps the state-row write.
+                verified = self._verifier.submit(producer.verify_prepared)
+                self._store.write(conn, self._tid, str(state))
+                verified.result()
+                tx.state = state
+            except BaseException:
+                db_tx.rollback()
+                self._abort_quietly(producer)
+                raise
+            self._decide(conn, db_tx, producer, state)
+        finally:
+            conn.close()
+
+    def _decide(self, conn: Connection, db_tx: sa.RootTransaction, producer: TwoPhaseProducer,
+                state: PreparedTxnState) -> None:
+        try:
+            db_tx.commit()
+        except sa.exc.DBAPIError as exc:
+            log.warning("database COMMIT of transactional_id=%s state=%s failed (%s); asking the "
+                        "database for the outcome", self._tid, state, exc.__class__.__name__)
+            if not self._database_committed(state):
+                self._abort_quietly(producer)
+                raise
+            log.warning("the database did commit transactional_id=%s state=%s", self._tid, state)
+        producer.commit_transaction()
+
+    def _database_committed(self, state: PreparedTxnState) -> bool:
+        """Whether the decision reached the database; waits for the row lock to be sure."""
+        try:
+            with transaction(self._engine) as conn:
+                # Taking the lock waits for the failed session's transaction to end either way.
+                return self._store.lock(conn, self._tid) == str(state)
+        except DatabaseUnreachableError as exc:
+            raise DatabaseUnreachableError(
+                f"the database COMMIT of transactional_id={self._tid} state={state} has an "
+                f"unknown outcome and the database cannot be asked ({exc}); the Kafka transaction "
+                "stays open: run `dualwrite recover` when the database is back"
+            ) from exc
+
+    def _abort_quietly(self, producer: TwoPhaseProducer) -> None:
+        if not producer.has_open_transaction:
+            return
+        try:
+            producer.abort_transaction()
+        except Exception as exc:
+            log.warning("abort of transactional_id=%s failed: %s (the next transaction or "
+                        "recovery aborts it)", self._tid, exc)
+

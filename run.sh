@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: installs what dualwrite needs, then runs it.
+#   ./run.sh demo     start a local Kafka, write orders + events atomically, crash, recover, verify
+#   ./run.sh test     the test suite (real Kafka 4.3.1 and 3.9.x, real PostgreSQL, SQLite)
+#   ./run.sh lint     ruff + mypy --strict
+#   ./run.sh bench    benchmarks (bench/)
+# Extra arguments go to the underlying command (e.g. ./run.sh test -k crash, ./run.sh test --soak).
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${DUALWRITE_VENV:-.venv}
+
+say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+install_system_packages() {
+    local missing=()
+    command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
+    command -v mvn >/dev/null 2>&1 || missing+=(maven)
+    compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql)
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+        echo "missing: ${missing[*]} — install them (Java 17, Maven, PostgreSQL server) or use Docker" >&2
+        exit 1
+    fi
+    say "installing ${missing[*]} (Debian packages)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+install_python() {
+    local stamp="$VENV/.dualwrite-installed"
+    if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt constraints.txt ]; then
+        return 0
+    fi
+    say "creating $VENV and installing dualwrite[dev] (pinned by constraints.txt)"
+    python3 -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev]"
+    touch "$stamp"
+}
+
+cmd=${1:-help}
+shift || true
+case "$cmd" in
+    demo)
+        install_system_packages; install_python
+        exec "$VENV/bin/python" examples/demo.py "$@" ;;
+    test)
+        install_system_packages; install_python
+        exec "$VENV/bin/python" -m pytest "$@" ;;
+    lint)
+        install_python
+        "$VENV/bin/ruff" check .
+        exec "$VENV/bin/mypy" --strict dualwrite ;;
+    bench)
+        install_system_packages; install_python
+        exec "$VENV/bin/python" bench/bench_dual_write.py "$@" ;;
+    *)
+        sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
+        [ "$cmd" = help ] || exit 2 ;;
+esac

@@ -1,0 +1,135 @@
+"""Shared fixtures: real Kafka clusters and PostgreSQL started locally (see docs/dev-cluster.md).
+
+Environment variables:
+
+- ``DUALWRITE_TEST_BOOTSTRAP``: use this cluster for ``kafka`` instead of starting one.
+- ``DUALWRITE_TEST_BOOTSTRAP_2PC``: the same for ``kafka_2pc`` (brokers must run with
+  ``transaction.two.phase.commit.enable=true`` and ``unstable.api.versions.enable=true``).
+- ``DUALWRITE_TEST_BOOTSTRAP_39``: the same for ``kafka39``.
+- ``DUALWRITE_TEST_POSTGRES_URL``: use this database for ``postgres_url``.
+- ``DUALWRITE_TEST_KAFKA_VERSION`` / ``DUALWRITE_TEST_KAFKA39_VERSION``: versions to start.
+- ``DUALWRITE_TEST_BACKEND``: ``auto`` (default), ``jars`` or ``docker``.
+
+``kafka3`` always starts a local 3-broker cluster (its tests kill and restart brokers).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import cast
+
+import pytest
+
+from dualwrite.dev import ExternalKafkaCluster, KafkaTarget, LocalKafkaCluster, LocalPostgres
+from dualwrite.dev.kafka_cluster import Backend
+
+KAFKA_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA_VERSION", "4.3.1")
+KAFKA39_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA39_VERSION", "3.9.2")
+BACKEND = cast(Backend, os.environ.get("DUALWRITE_TEST_BACKEND", "auto"))
+TWO_PC_CONFIG = {
+    "transaction.two.phase.commit.enable": "true",
+    "unstable.api.versions.enable": "true",
+}
+
+
+NewTopic = Callable[..., str]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--soak", action="store_true", default=False, help="also run tests marked `slow`"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--soak"):
+        return
+    skip = pytest.mark.skip(reason="slow soak test: run with --soak")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+def _cluster(
+    env_var: str, version: str, extra: dict[str, str] | None = None
+) -> Iterator[KafkaTarget]:
+    external = os.environ.get(env_var)
+    if external:
+        yield ExternalKafkaCluster(external)
+        return
+    with LocalKafkaCluster(
+        brokers=1, kafka_version=version, extra_config=extra, backend=BACKEND
+    ) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def kafka() -> Iterator[KafkaTarget]:
+    """One Kafka 4.3.1 broker with default transaction settings (no 2PC)."""
+    yield from _cluster("DUALWRITE_TEST_BOOTSTRAP", KAFKA_VERSION)
+
+
+@pytest.fixture(scope="session")
+def kafka_2pc() -> Iterator[KafkaTarget]:
+    """One Kafka 4.3.1 broker with KIP-939 enabled (2PC and unstable API versions)."""
+    yield from _cluster("DUALWRITE_TEST_BOOTSTRAP_2PC", KAFKA_VERSION, TWO_PC_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def kafka39() -> Iterator[KafkaTarget]:
+    """One Kafka 3.9.x broker: the last release line before KIP-890 part 2 and KIP-939."""
+    yield from _cluster("DUALWRITE_TEST_BOOTSTRAP_39", KAFKA39_VERSION)
+
+
+@pytest.fixture(scope="session")
+def _kafka3_session() -> Iterator[LocalKafkaCluster]:
+    with LocalKafkaCluster(brokers=3, kafka_version=KAFKA_VERSION, backend=BACKEND) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def kafka3(_kafka3_session: LocalKafkaCluster) -> LocalKafkaCluster:
+    """Three broker+controller nodes (RF 3, min ISR 2), shared by the session.
+
+    Any broker a previous test killed or stopped is restarted first, so tests may kill freely.
+    """
+    cluster = _kafka3_session
+    dead = [n.index for n in cluster.nodes if not cluster.is_running(n.index)]
+    for index in dead:
+        cluster.restart_broker(index)
+    if not dead:
+        cluster.wait_until_ready(60.0)
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """SQLAlchemy URL of a session-wide PostgreSQL database (``postgresql+psycopg://``)."""
+    external = os.environ.get("DUALWRITE_TEST_POSTGRES_URL")
+    if external:
+        yield external
+        return
+    with LocalPostgres() as pg:
+        yield pg.url
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """SQLAlchemy URL of a fresh SQLite file for this test."""
+    return f"sqlite:///{tmp_path / 'dualwrite.db'}"
+
+
+@pytest.fixture
+def new_topic(request: pytest.FixtureRequest) -> NewTopic:
+    """``new_topic(cluster, partitions=3, **kw)``: create a uniquely named topic; its name."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", request.node.name)[:60].strip("-.")
+
+    def create(cluster: KafkaTarget, partitions: int = 3, **kwargs: object) -> str:
+        name = f"{stem}-{uuid.uuid4().hex[:8]}"
+        return cluster.create_topic(name, partitions, **kwargs)  # type: ignore[arg-type]
+
+    return create

@@ -1,0 +1,501 @@
+"""The state table, its migrations and its lock, on PostgreSQL and on SQLite.
+
+Every test gets an empty database: a fresh SQLite file, or a fresh schema (selected through
+``search_path``) in the PostgreSQL server of the ``postgres_url`` fixture. Without that fixture the
+server comes from ``DUALWRITE_TEST_POSTGRES_URL``; with neither, the PostgreSQL cases are skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from dualwrite.database import (
+    STATE_TABLE,
+    VERSION_TABLE,
+    check_schema,
+    create_engine,
+    current_revision,
+    head_revision,
+    migrations_dir,
+    normalize_url,
+    upgrade_command,
+    upgrade_database,
+)
+from dualwrite.errors import (
+    DatabaseUnreachableError,
+    MigrationRequiredError,
+    TransactionStateError,
+)
+from dualwrite.state_store import MAX_LENGTH, StateRow, StateStore
+
+pytestmark = pytest.mark.timeout(120)
+
+HOLD_S = 0.6  # how long the first writer keeps the lock in the concurrency tests
+
+
+def _fixture_or_none(request: pytest.FixtureRequest, name: str) -> Any:
+    try:
+        return request.getfixturevalue(name)
+    except pytest.FixtureLookupError:
+        return None
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[str]:
+    """URL of an empty database on each backend."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'dualwrite-test.db'}"
+        return
+    base = _fixture_or_none(request, "postgres_url") or os.environ.get(
+        "DUALWRITE_TEST_POSTGRES_URL"
+    )
+    if not base:
+        pytest.skip("no PostgreSQL: no postgres_url fixture and DUALWRITE_TEST_POSTGRES_URL unset")
+    schema = f"dw_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(str(base))
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
+    url = normalize_url(str(base)).update_query_dict({"options": f"-csearch_path={schema}"})
+    try:
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
+        admin.dispose()
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[sa.Engine]:
+    eng = create_engine(db_url)
+    try:
+        yield eng
+    finally:
+        eng.dispose()
+
+
+@pytest.fixture
+def store(engine: sa.Engine) -> StateStore:
+    upgrade_database(engine)
+    return StateStore(engine)
+
+
+APP_METADATA = sa.MetaData()
+ORDERS = sa.Table(
+    "app_orders",
+    APP_METADATA,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("note", sa.String(50), nullable=False),
+)
+
+
+def _order_ids(engine: sa.Engine) -> list[int]:
+    with engine.connect() as conn:
+        return list(conn.execute(sa.select(ORDERS.c.id).order_by(ORDERS.c.id)).scalars())
+
+
+class _Thread(threading.Thread):
+    """A thread whose exception is re-raised by :meth:`result`."""
+
+    def __init__(self, target: Callable[[], None]) -> None:
+        super().__init__(daemon=True)
+        self._fn = target
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._fn()
+        except BaseException as exc:
+            self.error = exc
+
+    def result(self, timeout: float = 30) -> None:
+        self.join(timeout)
+        assert not self.is_alive(), "thread did not finish"
+        if self.error is not None:
+            raise self.error
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+# -- packaging and URLs ----------------------------------------------------------------------
+
+
+def test_migrations_are_installed_with_the_package() -> None:
+    path = migrations_dir()
+    assert (path / "env.py").is_file()
+    assert (path / "script.py.mako").is_file()
+    assert any(path.glob("versions/0001_*.py"))
+    assert head_revision() == "0001"
+
+
+def test_urls_use_psycopg_and_commands_mask_the_password() -> None:
+    assert normalize_url("postgresql://u@h/db").drivername == "postgresql+psycopg"
+    assert normalize_url("postgres://u@h/db").drivername == "postgresql+psycopg"
+    assert normalize_url("sqlite:///x.db").drivername == "sqlite"
+    command = upgrade_command("postgresql://u:hunter2@h:5432/db")
+    assert command == "dualwrite db upgrade --db 'postgresql://u:***@h:5432/db'"
+
+
+# -- migrations ------------------------------------------------------------------------------
+
+
+def test_upgrade_creates_the_table_and_is_idempotent(engine: sa.Engine) -> None:
+    assert current_revision(engine) is None
+    assert upgrade_database(engine) == "0001"
+    assert upgrade_database(engine) == "0001"
+    assert current_revision(engine) == "0001"
+    check_schema(engine)
+    inspector = sa.inspect(engine)
+    tables = set(inspector.get_table_names())
+    assert {STATE_TABLE, VERSION_TABLE} <= tables
+    assert "alembic_version" not in tables  # the application's own Alembic stays untouched
+    columns = {c["name"]: c for c in inspector.get_columns(STATE_TABLE)}
+    assert set(columns) == {"transactional_id", "prepared_txn_state", "updated_at"}
+    assert not any(c["nullable"] for c in columns.values())
+    assert inspector.get_pk_constraint(STATE_TABLE)["constrained_columns"] == ["transactional_id"]
+    # The default of prepared_txn_state is the empty string.
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(f"INSERT INTO {STATE_TABLE} (transactional_id, updated_at) VALUES ('d', :now)"),
+            {"now": datetime.now(UTC)},
+        )
+    row = StateStore(engine).read("d")
+    assert row is not None and row.prepared_txn_state == ""
+
+
+def test_upgrade_from_a_url_string(db_url: str) -> None:
+    assert upgrade_database(db_url) == "0001"
+
+
+def test_concurrent_upgrades_both_succeed(engine: sa.Engine) -> None:
+    threads = [_Thread(lambda: upgrade_database(engine)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.result()
+    assert current_revision(engine) == "0001"
+
+
+def test_check_schema_on_an_empty_database_names_the_command(engine: sa.Engine) -> None:
+    with pytest.raises(MigrationRequiredError, match="dualwrite db upgrade --db") as info:
+        check_schema(engine)
+    assert "***" in str(info.value) or engine.url.password is None
+    if engine.url.password:
+        assert str(engine.url.password) not in str(info.value)
+
+
+def test_check_schema_rejects_an_unknown_revision(engine: sa.Engine) -> None:
+    upgrade_database(engine)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"UPDATE {VERSION_TABLE} SET version_num = '9999'"))
+    with pytest.raises(MigrationRequiredError, match="newer dualwrite"):
+        check_schema(engine)
+
+
+def test_check_schema_accepts_a_table_made_by_the_application(engine: sa.Engine) -> None:
+    """An application may create the table in its own Alembic history (docs/sql.md)."""
+    meta = sa.MetaData()
+    sa.Table(
+        STATE_TABLE,
+        meta,
+        sa.Column("transactional_id", sa.String(255), primary_key=True),
+        sa.Column("prepared_txn_state", sa.String(255), nullable=False, server_default=""),
+        sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+    )
+    meta.create_all(engine)
+    check_schema(engine)
+
+
+def test_lock_on_a_missing_table_requires_migration(engine: sa.Engine) -> None:
+    store = StateStore(engine)
+    with (
+        pytest.raises(MigrationRequiredError, match="dualwrite db upgrade"),
+        engine.begin() as conn,
+    ):
+        store.lock(conn, "tid")
+    with pytest.raises(MigrationRequiredError):
+        store.read_all()
+    with pytest.raises(MigrationRequiredError):
+        store.compare_and_set("tid", "", "x")
+
+
+# -- in the caller's transaction -------------------------------------------------------------
+
+
+def test_state_commits_and_rolls_back_with_the_application_rows(
+    engine: sa.Engine, store: StateStore
+) -> None:
+    APP_METADATA.create_all(engine)
+    before = datetime.now(UTC) - timedelta(seconds=5)
+
+    with engine.begin() as conn:
+        assert store.lock(conn, "orders-0") == ""
+        conn.execute(ORDERS.insert().values(id=1, note="first"))
+        store.write(conn, "orders-0", "1000:0@orders-3:41")
+    row = store.read("orders-0")
+    assert row is not None
+    assert row.prepared_txn_state == "1000:0@orders-3:41"
+    assert row.updated_at.tzinfo is not None
+    assert before <= row.updated_at <= datetime.now(UTC) + timedelta(seconds=5)
+
+    with pytest.raises(RuntimeError), engine.begin() as conn:
+        assert store.lock(conn, "orders-0") == "1000:0@orders-3:41"
+        conn.execute(ORDERS.insert().values(id=2, note="second"))
+        store.write(conn, "orders-0", "1000:0@orders-3:77")
+        raise RuntimeError("the application fails before the database commit")
+    assert store.read("orders-0") == row
+    assert _order_ids(engine) == [1]
+
+    # A first transaction that rolls back leaves no row at all.
+    with pytest.raises(RuntimeError), engine.begin() as conn:
+        store.lock(conn, "orders-1")
+        conn.execute(ORDERS.insert().values(id=3, note="third"))
+        store.write(conn, "orders-1", "1001:0@orders-0:0")
+        raise RuntimeError("boom")
+    assert store.read("orders-1") is None
+    assert _order_ids(engine) == [1]
+
+
+def test_lock_and_write_need_an_open_transaction(engine: sa.Engine, store: StateStore) -> None:
+    with engine.connect() as conn:
+        with pytest.raises(TransactionStateError, match="open database transaction"):
+            store.lock(conn, "tid")
+        with pytest.raises(TransactionStateError):
+            store.write(conn, "tid", "x")
+
+
+def test_write_without_lock_is_refused(engine: sa.Engine, store: StateStore) -> None:
+    with pytest.raises(TransactionStateError, match="lock"), engine.begin() as conn:
+        store.write(conn, "never-locked", "x")
+
+
+def test_length_limits(engine: sa.Engine, store: StateStore) -> None:
+    longest = "t" * MAX_LENGTH
+    with engine.begin() as conn:
+        store.lock(conn, longest)
+        store.write(conn, longest, "s" * MAX_LENGTH)
+    row = store.read(longest)
+    assert row is not None and row.prepared_txn_state == "s" * MAX_LENGTH
+    with engine.begin() as conn:
+        with pytest.raises(ValueError, match="255"):
+            store.lock(conn, "t" * (MAX_LENGTH + 1))
+        with pytest.raises(ValueError, match="255"):
+            store.write(conn, longest, "s" * (MAX_LENGTH + 1))
+    with pytest.raises(ValueError, match="255"):
+        store.compare_and_set(longest, "", "s" * (MAX_LENGTH + 1))
+    with pytest.raises(ValueError, match="empty"):
+        store.read("")
+
+
+# -- the lock --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("row_exists", [True, False], ids=["existing-row", "first-use"])
+def test_two_writers_of_one_transactional_id_serialize(
+    engine: sa.Engine, store: StateStore, row_exists: bool
+) -> None:
+    """Writer B's lock waits until writer A commits, then B sees A's state."""
+    tid = "orders-7"
+    if row_exists:
+        with engine.begin() as conn:
+            store.lock(conn, tid)
+            store.write(conn, tid, "old")
+    expected_first = "old" if row_exists else ""
+    log: list[tuple[str, float]] = []
+    log_lock = threading.Lock()
+
+    def note(event: str) -> None:
+        with log_lock:
+            log.append((event, time.monotonic()))
+
+    a_locked, b_trying, b_locked = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, str] = {}
+
+    def writer_a() -> None:
+        with engine.begin() as conn:
+            seen["a"] = store.lock(conn, tid)
+            note("a locked")
+            a_locked.set()
+            assert b_trying.wait(10)
+            time.sleep(HOLD_S)  # B must stay blocked all this time
+            store.write(conn, tid, "from-a")
+            note("a commits")
+        note("a committed")
+
+    def writer_b() -> None:
+        assert a_locked.wait(10)
+        b_trying.set()
+        note("b begins")
+        with engine.begin() as conn:  # on SQLite, BEGIN IMMEDIATE already waits here
+            seen["b"] = store.lock(conn, tid)
+            note("b locked")
+            b_locked.set()
+            store.write(conn, tid, "from-b")
+
+    a, b = _Thread(writer_a), _Thread(writer_b)
+    a.start()
+    b.start()
+    assert b_trying.wait(10)
+    assert not b_locked.wait(HOLD_S / 2), "B got the lock while A held it"
+    a.result()
+    b.result()
+
+    times = dict(log)
+    assert times["b begins"] < times["a commits"] <= times["b locked"]
+    assert times["b locked"] - times["b begins"] >= HOLD_S * 0.8
+    assert seen == {"a": expected_first, "b": "from-a"}
+    row = store.read(tid)
+    assert row is not None and row.prepared_txn_state == "from-b"
+
+
+def test_other_transactional_ids_and_readers_do_not_wait_for_the_lock(
+    engine: sa.Engine, store: StateStore
+) -> None:
+    """Readers never wait; on PostgreSQL other ids don't either (SQLite has one write lock)."""
+    with engine.begin() as conn:
+        store.lock(conn, "busy")
+        store.write(conn, "busy", "committed")
+    holding, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with engine.begin() as conn:
+            store.lock(conn, "busy")
+            store.write(conn, "busy", "uncommitted")
+            holding.set()
+            assert release.wait(20)
+
+    t = _Thread(holder)
+    t.start()
+    try:
+        assert holding.wait(10)
+        started = time.monotonic()
+        row = store.read("busy")
+        assert row is not None and row.prepared_txn_state == "committed"
+        assert [r.transactional_id for r in store.read_all()] == ["busy"]
+        if engine.dialect.name == "postgresql":
+            with engine.begin() as conn:
+                assert store.lock(conn, "idle") == ""
+        assert time.monotonic() - started < 2
+    finally:
+        release.set()
+        t.result()
+
+
+# -- own transactions ------------------------------------------------------------------------
+
+
+def test_compare_and_set(engine: sa.Engine, store: StateStore) -> None:
+    with engine.begin() as conn:
+        store.lock(conn, "tid")
+        store.write(conn, "tid", "p1")
+    assert store.compare_and_set("tid", "other", "") is False
+    assert store.read("tid") == StateRow("tid", "p1", store.read("tid").updated_at)  # type: ignore[union-attr]
+    assert store.compare_and_set("tid", "p1", "") is True
+    row = store.read("tid")
+    assert row is not None and row.prepared_txn_state == ""
+    # A missing row counts as the empty state.
+    assert store.compare_and_set("missing", "p1", "") is False
+    assert store.read("missing") is None
+    assert store.compare_and_set("created", "", "p9") is True
+    created = store.read("created")
+    assert created is not None and created.prepared_txn_state == "p9"
+
+
+def test_compare_and_set_waits_for_a_writer_and_sees_its_commit(
+    engine: sa.Engine, store: StateStore
+) -> None:
+    """Recovery must not clear a state that a live writer is replacing right now."""
+    with engine.begin() as conn:
+        store.lock(conn, "tid")
+        store.write(conn, "tid", "p1")
+    holding = threading.Event()
+    results: list[bool] = []
+
+    def writer() -> None:
+        with engine.begin() as conn:
+            store.lock(conn, "tid")
+            holding.set()
+            time.sleep(HOLD_S)
+            store.write(conn, "tid", "p2")
+
+    def recovery() -> None:
+        assert holding.wait(10)
+        results.append(store.compare_and_set("tid", "p1", ""))
+
+    w, r = _Thread(writer), _Thread(recovery)
+    w.start()
+    r.start()
+    w.result()
+    r.result()
+    assert results == [False]
+    row = store.read("tid")
+    assert row is not None and row.prepared_txn_state == "p2"
+
+
+def test_read_all_and_delete(engine: sa.Engine, store: StateStore) -> None:
+    with engine.begin() as conn:
+        for tid, state in [("b", "2"), ("a", "1"), ("c", "")]:
+            store.lock(conn, tid)
+            store.write(conn, tid, state)
+    assert [(r.transactional_id, r.prepared_txn_state) for r in store.read_all()] == [
+        ("a", "1"),
+        ("b", "2"),
+        ("c", ""),
+    ]
+    assert [r.transactional_id for r in store.read_all(["c", "a", "zz"])] == ["a", "c"]
+    assert store.read_all([]) == []
+    assert store.delete("b") is True
+    assert store.delete("b") is False
+    assert store.read("b") is None
+
+
+def test_sqlite_engine_uses_wal_and_begin_immediate(tmp_path: Any) -> None:
+    eng = create_engine(f"sqlite:///{tmp_path / 'x.db'}")
+    other = create_engine(f"sqlite:///{tmp_path / 'x.db'}", connect_args={"timeout": 0.2})
+    try:
+        with eng.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        with eng.begin():  # holds the write lock without having written anything yet
+            started = time.monotonic()
+            with pytest.raises(sa.exc.OperationalError, match="locked"), other.begin():
+                pass
+            assert time.monotonic() - started >= 0.15
+    finally:
+        eng.dispose()
+        other.dispose()
+
+
+# -- unreachable database --------------------------------------------------------------------
+
+
+def test_unreachable_postgres_fails_fast_without_leaking_the_password() -> None:
+    url = f"postgresql://dw:hunter2@127.0.0.1:{_closed_port()}/dw"
+    eng = create_engine(url)
+    try:
+        started = time.monotonic()
+        for call in (
+            lambda: check_schema(eng),
+            lambda: StateStore(eng).read("tid"),
+            lambda: upgrade_database(url),
+        ):
+            with pytest.raises(DatabaseUnreachableError) as info:
+                call()
+            assert "hunter2" not in str(info.value)
+            assert "127.0.0.1" in str(info.value)
+        assert time.monotonic() - started < 10
+    finally:
+        eng.dispose()
