@@ -18,23 +18,35 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError
 from confluent_kafka import TopicPartition as CKTopicPartition
 
-from dualwrite.control_plane import ControlPlane, TopicPartition, TransactionDescription, TxnState
+from dualwrite.control_plane import (
+    ActiveProducer,
+    ControlPlane,
+    TopicPartition,
+    TransactionDescription,
+    TxnState,
+)
 from dualwrite.errors import (
     FatalError,
     HeuristicAbortError,
     OutcomeUnknownError,
     RetriableError,
 )
+from dualwrite.kafka_errors import FatalKafkaError, FencedKafkaError
 from dualwrite.prepared_state import PreparedTxnState
 
-__all__ = ["Completion", "committed_at_anchor", "complete"]
+__all__ = ["Completion", "Prefetched", "committed_at_anchor", "complete", "end_open_transaction"]
 
 log = logging.getLogger(__name__)
+
+_INVALID_TXN_STATE = 48
+# How often completion re-reads a transactional id that changed under it (a live writer racing).
+_RACE_ATTEMPTS = 5
 
 
 class Completion(enum.Enum):
@@ -50,12 +62,26 @@ class Completion(enum.Enum):
     """No prepared state and nothing open."""
 
 
-def _wait_until_settled(cp: ControlPlane, tid: str, timeout_s: float
-                        ) -> TransactionDescription | None:
+@dataclass(frozen=True)
+class Prefetched:
+    """Coordinator and partition-leader answers fetched in bulk, under the state-row lock.
+
+    Recovery describes many ids and anchor partitions in one request each instead of one per id.
+    """
+
+    descriptions: Mapping[str, TransactionDescription]
+    producers: Mapping[TopicPartition, list[ActiveProducer]]
+
+
+def _wait_until_settled(cp: ControlPlane, tid: str, timeout_s: float,
+                        prefetched: Prefetched | None) -> TransactionDescription | None:
     """Describe ``tid``, waiting while the coordinator is mid-way through writing markers."""
     deadline = time.monotonic() + timeout_s
-    while True:
+    if prefetched is not None:
+        desc = prefetched.descriptions.get(tid)  # absent: the coordinator does not know the id
+    else:
         desc = cp.describe_transaction(tid)
+    while True:
         if desc is None or desc.state not in (TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT,
                                               TxnState.PREPARE_EPOCH_FENCE):
             return desc
@@ -63,10 +89,11 @@ def _wait_until_settled(cp: ControlPlane, tid: str, timeout_s: float
             raise RetriableError(f"transactional id {tid!r} stayed in {desc.state.value} for "
                                  f"{timeout_s:g} s; retry recovery")
         time.sleep(0.05)
+        desc = cp.describe_transaction(tid)
 
 
 def names_open_transaction(cp: ControlPlane, desc: TransactionDescription,
-                           state: PreparedTxnState) -> bool:
+                           state: PreparedTxnState, prefetched: Prefetched | None = None) -> bool:
     """Whether the coordinator's Ongoing transaction is exactly the one ``state`` names."""
     if state.is_empty or desc.state is not TxnState.ONGOING:
         return False
@@ -81,7 +108,10 @@ def names_open_transaction(cp: ControlPlane, desc: TransactionDescription,
     tp = anchor.resolve(desc.partitions)
     if tp is None or tp not in desc.partitions:
         return False
-    producers = cp.describe_producers([tp]).get(tp, [])
+    if prefetched is not None and tp in prefetched.producers:
+        producers = prefetched.producers[tp]
+    else:
+        producers = cp.describe_producers([tp]).get(tp, [])
     return any(p.producer_id == state.producer_id and p.current_txn_start_offset == anchor.offset
                for p in producers)
 
@@ -95,7 +125,8 @@ def committed_at_anchor(consumer_config: Mapping[str, Any], tp: TopicPartition, 
     deleted by retention, or another open transaction keeps the stable offset below it).
     """
     conf = {k: v for k, v in consumer_config.items() if not k.startswith("transaction")}
-    for key in ("transactional.id", "enable.idempotence", "acks", "linger.ms"):
+    for key in ("transactional.id", "enable.idempotence", "acks", "linger.ms", "error_cb",
+                "stats_cb", "on_delivery"):
         conf.pop(key, None)
     conf.update({
         "group.id": f"dualwrite-verify-{uuid.uuid4().hex[:8]}",
@@ -136,37 +167,66 @@ def committed_at_anchor(consumer_config: Mapping[str, Any], tp: TopicPartition, 
         consumer.close()
 
 
+def end_open_transaction(cp: ControlPlane, transactional_id: str, state: PreparedTxnState, *,
+                         timeout_s: float = 30.0, prefetched: Prefetched | None = None
+                         ) -> tuple[Completion | None, TransactionDescription | None]:
+    """First half of :func:`complete`: commit the open transaction if ``state`` names it, else
+    abort it. Returns ``COMMITTED``, ``ABORTED`` or None (nothing was open), and the last
+    description read."""
+    tid = transactional_id
+    for attempt in range(_RACE_ATTEMPTS):
+        hint = prefetched if attempt == 0 else None
+        desc = _wait_until_settled(cp, tid, timeout_s, hint)
+        if desc is None or desc.state is not TxnState.ONGOING:
+            return None, desc
+        if names_open_transaction(cp, desc, state, hint):
+            log.info("commit in-doubt transaction transactional_id=%s producer_id=%d epoch=%d "
+                     "state=%s", tid, desc.producer_id, desc.epoch, state)
+            cp.end_transaction(tid, desc.producer_id, desc.epoch, commit=True)
+            return Completion.COMMITTED, desc
+        log.info("abort open transaction not named by the prepared state transactional_id=%s "
+                 "producer_id=%d epoch=%d state=%r", tid, desc.producer_id, desc.epoch, str(state))
+        try:
+            cp.end_transaction(tid, desc.producer_id, desc.epoch, commit=False)
+        except (FencedKafkaError, FatalKafkaError) as exc:
+            # Its owner ended it (or a newer producer took over) between describe and abort:
+            # look again rather than report a failure.
+            if isinstance(exc, FatalKafkaError) and exc.info.code != _INVALID_TXN_STATE:
+                raise
+            log.info("transactional_id=%s changed while aborting (%s); describing again", tid,
+                     exc.info.name)
+            continue
+        return Completion.ABORTED, desc
+    raise RetriableError(f"transactional id {tid!r} kept changing while being completed; "
+                         "is a writer still running? retry recovery")
+
+
 def complete(cp: ControlPlane, consumer_config: Mapping[str, Any], transactional_id: str,
-             state: PreparedTxnState, *, timeout_s: float = 30.0) -> Completion:
+             state: PreparedTxnState, *, timeout_s: float = 30.0,
+             prefetched: Prefetched | None = None) -> Completion:
     """Commit the transaction ``state`` names if it is open, abort any other open one.
 
     Idempotent: running it again after success returns ``ALREADY_COMMITTED`` or ``NOTHING``.
     Raises :class:`HeuristicAbortError` when the named transaction was aborted by Kafka.
     """
     tid = transactional_id
-    desc = _wait_until_settled(cp, tid, timeout_s)
-    aborted_other = False
-    if desc is not None and desc.state is TxnState.ONGOING:
-        if names_open_transaction(cp, desc, state):
-            log.info("commit in-doubt transaction transactional_id=%s producer_id=%d epoch=%d "
-                     "state=%s", tid, desc.producer_id, desc.epoch, state)
-            cp.end_transaction(tid, desc.producer_id, desc.epoch, commit=True)
-            return Completion.COMMITTED
-        log.info("abort open transaction not named by the prepared state transactional_id=%s "
-                 "producer_id=%d epoch=%d state=%r", tid, desc.producer_id, desc.epoch, str(state))
-        cp.end_transaction(tid, desc.producer_id, desc.epoch, commit=False)
-        aborted_other = True
+    done, desc = end_open_transaction(cp, tid, state, timeout_s=timeout_s,
+                                      prefetched=prefetched)
+    if done is Completion.COMMITTED:
+        return done
+    aborted_other = done is Completion.ABORTED
     if state.is_empty:
         return Completion.ABORTED if aborted_other else Completion.NOTHING
     if _named_transaction_committed(cp, consumer_config, tid, state, desc, timeout_s):
         log.info("prepared transaction already committed transactional_id=%s producer_id=%d "
                  "epoch=%d state=%s", tid, state.producer_id, state.epoch, state)
         return Completion.ABORTED if aborted_other else Completion.ALREADY_COMMITTED
-    detail = "aborted by the broker"
+    detail = "aborted by Kafka"
     if desc is not None and desc.producer_id == state.producer_id and desc.epoch > state.epoch:
-        detail = (f"the coordinator bumped the epoch to {desc.epoch} and the transaction is "
-                  f"{desc.state.value}: most likely it outlived transaction.timeout.ms "
-                  f"({desc.timeout_ms} ms)")
+        detail = (f"the coordinator's epoch is now {desc.epoch} (state {desc.state.value}): "
+                  "either the transaction outlived transaction.timeout.ms "
+                  f"({desc.timeout_ms} ms) or a producer re-initialised the id before it was "
+                  "committed")
     raise HeuristicAbortError(tid, str(state), detail)
 
 

@@ -245,7 +245,7 @@ class ControlPlane:
             return result
         except kafka_errors.KafkaError as exc:
             if isinstance(exc, (kafka_errors.KafkaConnectionError, kafka_errors.NodeNotReadyError,
-                                kafka_errors.NoBrokersAvailable, kafka_errors.KafkaTimeoutError,
+                                kafka_errors.KafkaTimeoutError,
                                 kafka_errors.RequestTimedOutError)):
                 raise BrokerUnreachableError(
                     f"Kafka at {self._servers} did not answer ({exc!r}); retry when it is back"
@@ -269,7 +269,14 @@ class ControlPlane:
         delay = 0.05
         while True:
             try:
-                return await attempt()
+                try:
+                    return await attempt()
+                except kafka_errors.KafkaError as raw:
+                    # kafka-python raises FindCoordinator errors as its own exception types.
+                    code = getattr(raw, "errno", None)
+                    if getattr(raw, "retriable", False) and isinstance(code, int) and code > 0:
+                        raise_for_code(code, f"{what}: {raw}")
+                    raise
             except (RetriableKafkaError, kafka_errors.NodeNotReadyError,
                     kafka_errors.KafkaConnectionError) as exc:
                 if time.monotonic() + delay > deadline:
@@ -491,7 +498,7 @@ class ControlPlane:
             fields: dict[str, Any] = {"transactional_id": tid,
                                       "transaction_timeout_ms": timeout_ms}
             if version is not None and version >= 6:
-                fields.update(enable_2pc=enable_2pc, keep_prepared_txn=keep_prepared)
+                fields.update(enable2_pc=enable_2pc, keep_prepared_txn=keep_prepared)
             request = (InitProducerIdRequest[version](**fields) if version is not None
                        else InitProducerIdRequest(**fields, max_version=5))
             response = await self._send(request, node)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import shlex
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -68,6 +69,9 @@ DEFAULT_PG_CONNECT_TIMEOUT_S = 10
 
 _SQLITE_BEGIN_MODES = frozenset({"DEFERRED", "IMMEDIATE", "EXCLUSIVE"})
 _IMMEDIATE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+# Alembic's ``context`` and ``op`` are process-wide proxies, so one migration run at a time per
+# process. Between processes env.py serializes runs: PostgreSQL advisory lock, SQLite write lock.
+_ALEMBIC_LOCK = threading.Lock()
 
 
 def normalize_url(url: str | URL) -> URL:
@@ -224,7 +228,7 @@ def upgrade_database(url_or_engine: str | URL | Engine, revision: str = "head") 
     try:
         logger.info("upgrading dualwrite schema of %s to %s", mask_url(engine.url), revision)
         cfg = _alembic_config()
-        with transaction(engine) as conn:
+        with _ALEMBIC_LOCK, transaction(engine) as conn:
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, revision)
         return current_revision(engine)

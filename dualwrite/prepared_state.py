@@ -22,9 +22,9 @@ __all__ = ["MAX_STATE_LENGTH", "Anchor", "PreparedTxnState"]
 
 MAX_STATE_LENGTH = 255
 _PREFIX = "dw1"
-_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-_HASHED_TOPIC = re.compile(r"^#[0-9a-f]{16}$")
-_INT = re.compile(r"^-?[0-9]{1,19}$")
+_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_HASHED_TOPIC = re.compile(r"#[0-9a-f]{16}")
+_INT = re.compile(r"-?[0-9]{1,19}")
 
 
 def topic_digest(topic: str) -> str:
@@ -117,7 +117,7 @@ class PreparedTxnState:
             return cls._checked(text, pid, epoch, None)
         if len(parts) == 6 and parts[0] == _PREFIX:
             _, pid_s, epoch_s, topic, part_s, off_s = parts
-            if not (_TOPIC.match(topic) or _HASHED_TOPIC.match(topic)):
+            if not (_TOPIC.fullmatch(topic) or _HASHED_TOPIC.fullmatch(topic)):
                 raise InvalidPreparedStateError(text, f"{topic!r} is not a valid topic name")
             pid, epoch, partition, offset = (
                 _int(text, p, "number") for p in (pid_s, epoch_s, part_s, off_s))
@@ -137,6 +137,6 @@ class PreparedTxnState:
 
 
 def _int(text: str, value: str, what: str) -> int:
-    if not _INT.match(value):
+    if not _INT.fullmatch(value):
         raise InvalidPreparedStateError(text, f"{value!r} is not a valid {what}")
     return int(value)

@@ -7,6 +7,7 @@ control plane (see ``completion`` and ``control_plane``).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
@@ -20,6 +21,7 @@ from dualwrite.control_plane import ControlPlane, ProducerIdentity, TopicPartiti
 from dualwrite.errors import (
     DualWriteError,
     FatalError,
+    HeuristicAbortError,
     OutcomeUnknownError,
     ProducerFencedError,
     RecoverableError,
@@ -45,8 +47,14 @@ class _Phase(enum.Enum):
     CLOSED = "closed"
 
 
-def _translate(exc: KafkaException, what: str) -> DualWriteError:
+def _translate(exc: BaseException, what: str) -> DualWriteError:
     """Turn a librdkafka error into the dualwrite exception the caller can act on."""
+    # confluent-kafka raises a fatal error from inside a delivery callback as SystemError with
+    # the KafkaException as its cause.
+    while not isinstance(exc, KafkaException) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    if not isinstance(exc, KafkaException) or not isinstance(exc.args[0], KafkaError):
+        return RecoverableError(f"{what}: {exc!r}")
     err: KafkaError = exc.args[0]
     text = f"{what}: {err.name()} ({err.str()})"
     if err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
@@ -88,6 +96,8 @@ class TwoPhaseProducer:
             probe = self._cp.probe(check_2pc=False)
             if probe.max_transaction_timeout_ms:
                 self._config["transaction.timeout.ms"] = probe.max_transaction_timeout_ms
+        self._config.setdefault("error_cb", self._on_error)
+        self._fatal: KafkaError | None = None
         self._producer: Producer | None = None
         self._phase = _Phase.NEW
         self._identity: ProducerIdentity | None = None
@@ -118,6 +128,18 @@ class TwoPhaseProducer:
     def transaction_timeout_ms(self) -> int | None:
         value = self._config.get("transaction.timeout.ms")
         return int(value) if value is not None else None
+
+    def _on_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            self._fatal = err
+            log.error("fatal producer error for %s: %s", self._ids(), err)
+
+    def _fail(self, exc: BaseException, what: str) -> DualWriteError:
+        """Mark the transaction failed and return the exception to raise."""
+        self._phase = _Phase.FAILED
+        if not isinstance(exc, KafkaException) and self._fatal is not None:
+            exc = KafkaException(self._fatal)
+        return _translate(exc, what)
 
     @property
     def has_open_transaction(self) -> bool:
@@ -188,7 +210,14 @@ class TwoPhaseProducer:
                 return Completion.COMMITTED
             self.abort_transaction()
             return Completion.ABORTED
-        outcome = complete(self._cp, self._config, self._tid, state, timeout_s=self._timeout_s)
+        try:
+            outcome = complete(self._cp, self._config, self._tid, state,
+                               timeout_s=self._timeout_s)
+        except HeuristicAbortError:
+            # Nothing is open any more: the session can start, the caller decides what to do.
+            if self._phase is _Phase.AWAITING_COMPLETION:
+                self._start_librdkafka()
+            raise
         log.info("completed transactional_id=%s state=%r outcome=%s", self._tid, str(state),
                  outcome.value)
         if self._phase is _Phase.AWAITING_COMPLETION:
@@ -238,16 +267,17 @@ class TwoPhaseProducer:
             kwargs["partition"] = partition
         if headers is not None:
             kwargs["headers"] = headers
-        while True:
-            try:
-                self._producer.produce(topic, **kwargs)
-                break
-            except BufferError:
-                self._producer.poll(0.1)  # local queue full: let deliveries drain
-            except KafkaException as exc:
-                raise _translate(exc, f"produce to {topic}") from exc
+        try:
+            while True:
+                try:
+                    self._producer.produce(topic, **kwargs)
+                    break
+                except BufferError:
+                    self._producer.poll(0.1)  # local queue full: let deliveries drain
+            self._producer.poll(0)
+        except (KafkaException, SystemError) as exc:
+            raise self._fail(exc, f"produce to {topic}") from exc
         self._produced += 1
-        self._producer.poll(0)
 
     def flush_and_state(self) -> PreparedTxnState:
         """Flush, fail on any delivery error, and compute the state (no coordinator round trip).
@@ -257,7 +287,12 @@ class TwoPhaseProducer:
         """
         self._require(_Phase.IN_TRANSACTION, verb="prepare_transaction")
         assert self._producer is not None
-        remaining = self._producer.flush(self._timeout_s)
+        try:
+            remaining = self._producer.flush(self._timeout_s)
+        except (KafkaException, SystemError) as exc:
+            raise self._fail(exc, "flush") from exc
+        if self._fatal is not None:
+            raise self._fail(KafkaException(self._fatal), "flush")
         if remaining:
             self._phase = _Phase.FAILED
             raise RetriableError(f"{remaining} records not delivered within {self._timeout_s:g} s; "
@@ -362,10 +397,16 @@ class TwoPhaseProducer:
                     continue
                 raise
 
-    def _restart_session(self) -> None:
+    def _drop_handle(self) -> None:
+        """Forget the librdkafka handle without close(), which would abort an open transaction."""
         if self._producer is not None:
-            self._producer.flush(0)
+            with contextlib.suppress(KafkaException, SystemError):
+                self._producer.flush(0)  # re-raises a fatal error; the handle is gone anyway
         self._producer = None
+
+    def _restart_session(self) -> None:
+        self._drop_handle()
+        self._fatal = None
         self._start_librdkafka()
 
     def abort_transaction(self) -> None:
@@ -383,11 +424,13 @@ class TwoPhaseProducer:
         log.info("aborted %s", self._ids())
 
     def close(self) -> None:
-        """Release the producer. An open or prepared transaction stays open at the coordinator
-        (librdkafka sends no EndTxn on close); recovery or the next session finishes it."""
-        if self._producer is not None:
-            self._producer.flush(0)
-        self._producer = None
+        """Release the producer, leaving an open or prepared transaction open at the coordinator
+        for recovery or the next session to finish.
+
+        The librdkafka handle is dropped, not ``close()``d: confluent-kafka's ``Producer.close()``
+        aborts an open transaction, destroying the handle sends no EndTxn (docs/broker-facts.md).
+        """
+        self._drop_handle()
         self._phase = _Phase.CLOSED
         if self._owns_cp:
             self._cp.close()

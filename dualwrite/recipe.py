@@ -17,7 +17,12 @@ import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
 from dualwrite.database import create_engine, transaction
-from dualwrite.errors import DatabaseUnreachableError, FatalError, HeuristicAbortError
+from dualwrite.errors import (
+    DatabaseUnreachableError,
+    DualWriteError,
+    FatalError,
+    HeuristicAbortError,
+)
 from dualwrite.prepared_state import PreparedTxnState
 from dualwrite.producer import Headers, TwoPhaseProducer
 from dualwrite.state_store import StateStore
@@ -83,15 +88,28 @@ class DualWriter:
     @property
     def producer(self) -> TwoPhaseProducer:
         if self._producer is None:
+            # Register the id (an empty state row, committed) before any Kafka transaction can
+            # open under it, so that recovery, which visits state rows, finds a crash in the very
+            # first transaction too.
+            with transaction(self._engine) as conn:
+                self._store.lock(conn, self._tid)
             producer = TwoPhaseProducer(self._config, timeout_s=self._timeout_s)
             producer.init_transactions(keep_prepared_txn=True)
             self._producer = producer
         return self._producer
 
     def close(self) -> None:
-        if self._producer is not None:
-            self._producer.close()
-            self._producer = None
+        """Stop; after a clean run the state row is cleared so the next start needs no check."""
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            last = producer.last_committed
+            if last is not None and not last.is_empty and not producer.has_open_transaction:
+                try:
+                    self._store.compare_and_set(self._tid, str(last), "")
+                except DualWriteError as exc:  # the next start checks the anchor instead
+                    log.info("could not clear the state of transactional_id=%s: %s", self._tid,
+                             exc)
+            producer.close()
         self._verifier.shutdown(wait=False)
 
     def __enter__(self) -> DualWriter:

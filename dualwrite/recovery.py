@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
-from dualwrite.completion import Completion, complete
+from dualwrite.completion import Completion, Prefetched, complete, end_open_transaction
 from dualwrite.control_plane import ControlPlane, TransactionDescription, TxnState
 from dualwrite.database import create_engine, transaction
 from dualwrite.errors import (
@@ -42,6 +42,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# Ids resolved per database transaction and bulk request.
+_CHUNK = 25
 
 
 class Outcome(enum.Enum):
@@ -110,31 +113,90 @@ class RecoveryReport:
         }
 
 
-def _resolve_one(store: StateStore, engine: Engine, cp: ControlPlane,
-                 consumer_config: Mapping[str, Any], tid: str, acknowledge_heuristic: bool,
-                 timeout_s: float) -> RecoveryResult:
-    stored = ""
+def _prefetch(cp: ControlPlane, states: Mapping[str, PreparedTxnState]) -> Prefetched:
+    """One DescribeTransactions per coordinator and one DescribeProducers per leader."""
+    described = cp.describe_transactions(states)
+    anchors = set()
+    for tid, desc in described.items():
+        anchor = states[tid].anchor
+        if anchor is not None and desc.state is TxnState.ONGOING:
+            tp = anchor.resolve(desc.partitions)
+            if tp is not None and tp in desc.partitions:
+                anchors.add(tp)
+    return Prefetched(described, cp.describe_producers(anchors))
+
+
+def _resolve_chunk(store: StateStore, engine: Engine, cp: ControlPlane,
+                   consumer_config: Mapping[str, Any], ids: Sequence[str],
+                   acknowledge_heuristic: bool, timeout_s: float, first_pass: bool,
+                   aborted_first: set[str]) -> list[RecoveryResult | None]:
+    """Resolve a few ids in one database transaction that holds their state-row locks.
+
+    Holding the locks keeps live writers of these ids out while the bulk answers are used. The
+    first pass only ends open transactions and returns None for ids whose named transaction
+    must still be checked at its anchor.
+    """
+    stored: dict[str, str] = {}
     try:
         with transaction(engine) as conn:
-            stored = store.lock(conn, tid)
-            state = PreparedTxnState.parse(stored)
-            try:
-                done = complete(cp, consumer_config, tid, state, timeout_s=timeout_s)
-            except HeuristicAbortError as exc:
-                if not acknowledge_heuristic:
-                    return RecoveryResult(tid, stored, Outcome.HEURISTIC_ABORT, exc.detail)
-                log.warning("acknowledged heuristic abort of transactional_id=%s state=%s",
-                            tid, stored)
-                store.write(conn, tid, "")
-                return RecoveryResult(tid, stored, Outcome.ACKNOWLEDGED, exc.detail)
-            if stored:
-                store.write(conn, tid, "")
-            return RecoveryResult(tid, stored, _FROM_COMPLETION[done])
+            for tid in sorted(ids):  # one lock order for every locker: no deadlocks
+                stored[tid] = store.lock(conn, tid)
+            states: dict[str, PreparedTxnState] = {}
+            results: dict[str, RecoveryResult | None] = {}
+            for tid, text in stored.items():
+                try:
+                    states[tid] = PreparedTxnState.parse(text)
+                except DualWriteError as exc:
+                    results[tid] = RecoveryResult(tid, text, Outcome.FAILED, str(exc))
+            prefetched = _prefetch(cp, states)
+            for tid, state in states.items():
+                results[tid] = _resolve_one(store, conn, cp, consumer_config, tid, state,
+                                            acknowledge_heuristic, timeout_s, prefetched,
+                                            first_pass, aborted_first)
+            return [results[tid] for tid in ids]
     except (BrokerUnreachableError, DatabaseUnreachableError) as exc:
-        return RecoveryResult(tid, stored, Outcome.FAILED, str(exc), unreachable=True)
+        return [RecoveryResult(tid, stored.get(tid, ""), Outcome.FAILED, str(exc),
+                               unreachable=True) for tid in ids]
+    except DualWriteError as exc:
+        log.error("recovery of %d transactional ids failed: %s", len(ids), exc)
+        return [RecoveryResult(tid, stored.get(tid, ""), Outcome.FAILED, str(exc))
+                for tid in ids]
+
+
+def _resolve_one(store: StateStore, conn: Connection, cp: ControlPlane,
+                 consumer_config: Mapping[str, Any], tid: str, state: PreparedTxnState,
+                 acknowledge_heuristic: bool, timeout_s: float,
+                 prefetched: Prefetched, first_pass: bool, aborted_first: set[str]
+                 ) -> RecoveryResult | None:
+    stored = str(state)
+    try:
+        if first_pass:
+            ended, _ = end_open_transaction(cp, tid, state, timeout_s=timeout_s,
+                                            prefetched=prefetched)
+            if ended is Completion.ABORTED:
+                aborted_first.add(tid)
+            if ended is not Completion.COMMITTED and not state.is_empty:
+                return None  # the anchor check waits until every open transaction ended
+            done = ended or Completion.NOTHING
+        else:
+            done = complete(cp, consumer_config, tid, state, timeout_s=timeout_s,
+                            prefetched=prefetched)
+            if done is Completion.ALREADY_COMMITTED and tid in aborted_first:
+                done = Completion.ABORTED
+    except HeuristicAbortError as exc:
+        if not acknowledge_heuristic:
+            return RecoveryResult(tid, stored, Outcome.HEURISTIC_ABORT, exc.detail)
+        log.warning("acknowledged heuristic abort of transactional_id=%s state=%s", tid, stored)
+        store.write(conn, tid, "")
+        return RecoveryResult(tid, stored, Outcome.ACKNOWLEDGED, exc.detail)
+    except (BrokerUnreachableError, DatabaseUnreachableError):
+        raise
     except DualWriteError as exc:
         log.error("recovery of transactional_id=%s failed: %s", tid, exc)
         return RecoveryResult(tid, stored, Outcome.FAILED, str(exc))
+    if stored:
+        store.write(conn, tid, "")  # resolved: the next writer starts without a check
+    return RecoveryResult(tid, stored, _FROM_COMPLETION[done])
 
 
 def recover(engine: Engine | str, kafka_config: Mapping[str, Any],
@@ -159,13 +221,25 @@ def recover(engine: Engine | str, kafka_config: Mapping[str, Any],
         with ControlPlane(kafka_config, timeout_s=timeout_s) as cp, \
                 ThreadPoolExecutor(max(1, parallelism), thread_name_prefix="dualwrite-recover") \
                 as pool:
-            futures = [pool.submit(_resolve_one, store, engine, cp, kafka_config, tid,
-                                   acknowledge_heuristic, timeout_s) for tid in ids]
-            for future in futures:
-                result = future.result()
-                results.append(result)
-                if progress is not None:
-                    progress(result)
+            aborted_first: set[str] = set()
+            by_id: dict[str, RecoveryResult] = {}
+            pending = ids
+            # Pass 1 ends every open transaction; pass 2 checks anchors of the ones that had
+            # already ended (an open transaction of another id could hold their stable offset).
+            for first_pass in (True, False):
+                chunks = [pending[i:i + _CHUNK] for i in range(0, len(pending), _CHUNK)]
+                futures = [pool.submit(_resolve_chunk, store, engine, cp, kafka_config, chunk,
+                                       acknowledge_heuristic, timeout_s, first_pass,
+                                       aborted_first) for chunk in chunks]
+                for chunk, future in zip(chunks, futures, strict=True):
+                    for tid, result in zip(chunk, future.result(), strict=True):
+                        if result is None:
+                            continue
+                        by_id[tid] = result
+                        if progress is not None:
+                            progress(result)
+                pending = [tid for tid in pending if tid not in by_id]
+            results = [by_id[tid] for tid in ids]
     report = RecoveryReport(tuple(results), time.monotonic() - started)
     log.info("recovery finished in %.2f s: %s", report.elapsed_s, report.as_dict()["counts"])
     return report

@@ -3,13 +3,15 @@
 The KIP-939 recipe keeps, per transactional id, the prepared-state string of the Kafka transaction
 that the last committed database transaction decided to commit. A writer
 
-1. :meth:`StateStore.lock` s the row inside its database transaction (on PostgreSQL
+1. locks the row inside its database transaction with :meth:`StateStore.lock` (on PostgreSQL
    ``INSERT ... ON CONFLICT DO NOTHING`` then ``SELECT ... FOR UPDATE``; on SQLite the transaction
    already holds the database write lock through ``BEGIN IMMEDIATE``). The lock is the guard against
    zombies and split brain: two writers of one transactional id run one after the other, and the
-   second sees what the first decided.
-2. writes its application rows, prepares the Kafka transaction and :meth:`StateStore.write` s the
-   new state in the same database transaction; the database commit is the decision.
+   second sees what the first decided;
+2. writes its application rows, prepares the Kafka transaction and stores the new state with
+   :meth:`StateStore.write` in the same database transaction; the database commit is the decision.
+
+See docs/sql.md.
 
 Recovery reads states outside any writer's transaction (:meth:`StateStore.read`,
 :meth:`StateStore.read_all`) and clears resolved ones with :meth:`StateStore.compare_and_set`.

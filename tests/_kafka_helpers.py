@@ -19,7 +19,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, Producer
 from confluent_kafka import TopicPartition as CTopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 __all__ = [
     "Delivery",
@@ -120,13 +120,14 @@ def read_committed(bootstrap: str, topic: str, timeout_s: float = 15.0) -> list[
             msg = consumer.poll(0.2)
             if msg is None:
                 continue
-            if msg.error():
-                if msg.error().code() == -191:  # _PARTITION_EOF
+            error = msg.error()
+            if error is not None:
+                if error.code() == -191:  # _PARTITION_EOF
                     pending.discard(msg.partition())
                     continue
-                raise KafkaException(msg.error())
+                raise KafkaException(error)
             pending.add(msg.partition())  # more may follow a record that arrived after EOF
-            values.append(msg.value())
+            values.append(msg.value() or b"")
         return sorted(values)
     finally:
         consumer.close()
@@ -309,6 +310,7 @@ def raw_init_producer_id_v6(
     log first). Connection errors propagate (a broker without unstable versions disconnects).
     """
     from kafka import KafkaAdminClient
+    from kafka.errors import KafkaConnectionError, KafkaError
     from kafka.protocol.metadata import CoordinatorType
     from kafka.protocol.producer.transaction import InitProducerIdRequest
 
@@ -333,9 +335,20 @@ def raw_init_producer_id_v6(
 
         deadline = time.monotonic() + timeout_s
         while True:
-            response = admin._manager.run(send)
-            if response.error_code not in (14, 15, 16) or time.monotonic() > deadline:
-                return response
+            try:
+                response = admin._manager.run(send)
+            except KafkaError as exc:
+                # FindCoordinator on a fresh cluster: COORDINATOR_NOT_AVAILABLE while the
+                # transaction log is created. A closed connection is not retriable here.
+                if (
+                    isinstance(exc, KafkaConnectionError)
+                    or not exc.retriable
+                    or time.monotonic() > deadline
+                ):
+                    raise
+            else:
+                if response.error_code not in (14, 15, 16) or time.monotonic() > deadline:
+                    return response
             time.sleep(0.2)
     finally:
         admin.close()

@@ -61,12 +61,15 @@ def settled(cp: ControlPlane, tid: str, timeout_s: float = 10) -> TransactionDes
     """The description once the coordinator finished writing markers (no Prepare* state)."""
     desc: TransactionDescription = wait_for(
         lambda: (d := cp.describe_transaction(tid)) and not d.state.in_flight and d,
-        timeout_s, what=f"{tid} to leave its in-flight state")
+        timeout_s,
+        what=f"{tid} to leave its in-flight state",
+    )
     return desc
 
 
-def ongoing_then_destroyed(bootstrap: str, topic: str, tid: str,
-                           timeout_ms: int = 60_000) -> tuple[TxnProducer, tuple[int, int]]:
+def ongoing_then_destroyed(
+    bootstrap: str, topic: str, tid: str, timeout_ms: int = 60_000
+) -> tuple[TxnProducer, tuple[int, int]]:
     """Begin, produce, flush, then drop the producer without commit, abort or close()."""
     producer = TxnProducer(bootstrap, tid, transaction_timeout_ms=timeout_ms).start()
     assert producer.producer is not None
@@ -80,8 +83,9 @@ def ongoing_then_destroyed(bootstrap: str, topic: str, tid: str,
 # -- Fact 1: a producer that goes away mid-transaction leaves it Ongoing ----------------------
 
 
-def test_destroyed_producer_leaves_transaction_ongoing(cp: ControlPlane, bootstrap: str,
-                                                       topic: str) -> None:
+def test_destroyed_producer_leaves_transaction_ongoing(
+    cp: ControlPlane, bootstrap: str, topic: str
+) -> None:
     tid = unique("facts-destroy")
     producer, (pid, epoch) = ongoing_then_destroyed(bootstrap, topic, tid)
     time.sleep(1.0)  # anything librdkafka sent on destroy would have arrived by now
@@ -89,14 +93,14 @@ def test_destroyed_producer_leaves_transaction_ongoing(cp: ControlPlane, bootstr
     assert desc is not None
     assert desc.state is TxnState.ONGOING
     assert (desc.producer_id, desc.epoch) == (pid, epoch)
-    assert desc.partitions == {TopicPartition(topic, p) for p in
-                               first_offsets(producer.deliveries)}
+    assert desc.partitions == {TopicPartition(topic, p) for p in first_offsets(producer.deliveries)}
     assert read_committed(bootstrap, topic) == []
     cp.end_transaction(tid, pid, epoch, commit=False)  # leave no open transaction behind
 
 
-def test_producer_close_aborts_the_transaction(cp: ControlPlane, bootstrap: str,
-                                               topic: str) -> None:
+def test_producer_close_aborts_the_transaction(
+    cp: ControlPlane, bootstrap: str, topic: str
+) -> None:
     """confluent-kafka's Producer.close() is not a plain destroy: it aborts (unlike FACTS.md's
     "destroying / closing ... sends no EndTxn"). dualwrite must never close() a producer whose
     transaction it wants to keep."""
@@ -113,8 +117,9 @@ def test_producer_close_aborts_the_transaction(cp: ControlPlane, bootstrap: str,
     assert read_committed(bootstrap, topic) == []
 
 
-def test_sigkilled_producer_leaves_transaction_ongoing(cp: ControlPlane, bootstrap: str,
-                                                       topic: str) -> None:
+def test_sigkilled_producer_leaves_transaction_ongoing(
+    cp: ControlPlane, bootstrap: str, topic: str
+) -> None:
     tid = unique("facts-kill9")
     child = ProducerProcess(bootstrap, tid, topic, [v.decode() for v in VALUES], mode="hang")
     deliveries = child.wait_flushed()
@@ -131,7 +136,8 @@ def test_sigkilled_producer_leaves_transaction_ongoing(cp: ControlPlane, bootstr
 
 
 def test_another_process_commits_a_killed_producers_transaction(
-        cp: ControlPlane, bootstrap: str, topic: str) -> None:
+    cp: ControlPlane, bootstrap: str, topic: str
+) -> None:
     tid = unique("facts-resume")
     child = ProducerProcess(bootstrap, tid, topic, [v.decode() for v in VALUES], mode="hang")
     child.wait_flushed()
@@ -174,8 +180,7 @@ def test_end_transaction_after_an_abort(cp: ControlPlane, bootstrap: str, topic:
     assert read_committed(bootstrap, topic) == []
 
 
-def test_end_transaction_with_wrong_identity(cp: ControlPlane, bootstrap: str,
-                                             topic: str) -> None:
+def test_end_transaction_with_wrong_identity(cp: ControlPlane, bootstrap: str, topic: str) -> None:
     tid = unique("facts-wrong-id")
     _, (pid, epoch) = ongoing_then_destroyed(bootstrap, topic, tid)
 
@@ -209,8 +214,9 @@ def test_end_transaction_on_an_empty_transactional_id(cp: ControlPlane, bootstra
 # -- Fact 3: librdkafka keeps (pid, epoch); the partition offset identifies the transaction --------
 
 
-def test_pid_epoch_repeat_across_transactions_offsets_do_not(cp: ControlPlane, bootstrap: str,
-                                                            topic: str) -> None:
+def test_pid_epoch_repeat_across_transactions_offsets_do_not(
+    cp: ControlPlane, bootstrap: str, topic: str
+) -> None:
     tid = unique("facts-anchor")
     producer = TxnProducer(bootstrap, tid).start()
     assert producer.producer is not None
@@ -264,11 +270,13 @@ def test_v6_does_not_exist_on_39(kafka39: Any) -> None:
 
 @pytest.mark.parametrize("fixture", ["kafka", pytest.param("kafka39", marks=pytest.mark.kafka39)])
 def test_v6_without_unstable_versions_closes_the_connection(
-        request: pytest.FixtureRequest, fixture: str) -> None:
+    request: pytest.FixtureRequest, fixture: str
+) -> None:
     servers = request.getfixturevalue(fixture).bootstrap_servers
     with pytest.raises(KafkaConnectionError):
-        raw_init_producer_id_v6(servers, unique("facts-v6-closed"), enable_2pc=True,
-                                keep_prepared_txn=False)
+        raw_init_producer_id_v6(
+            servers, unique("facts-v6-closed"), enable_2pc=True, keep_prepared_txn=False
+        )
 
 
 def test_v6_on_2pc_broker_enable_accepted_keep_rejected(kafka_2pc: Any) -> None:
@@ -284,8 +292,7 @@ def test_v6_on_2pc_broker_enable_accepted_keep_rejected(kafka_2pc: Any) -> None:
     assert desc.timeout_ms == INT32_MAX  # a 2PC transaction never times out
 
     for enable in (True, False):
-        rejected = raw_init_producer_id_v6(servers, tid, enable_2pc=enable,
-                                           keep_prepared_txn=True)
+        rejected = raw_init_producer_id_v6(servers, tid, enable_2pc=enable, keep_prepared_txn=True)
         assert rejected.error_code == UNSUPPORTED_VERSION
         assert (rejected.producer_id, rejected.producer_epoch) == (-1, -1)
         assert (rejected.ongoing_txn_producer_id, rejected.ongoing_txn_producer_epoch) == (-1, -1)
@@ -294,14 +301,18 @@ def test_v6_on_2pc_broker_enable_accepted_keep_rejected(kafka_2pc: Any) -> None:
 # -- Facts 5 and 6: the broker's transaction timeout -----------------------------------------------
 
 
-def test_timed_out_transaction_is_aborted_and_fenced(cp: ControlPlane, bootstrap: str,
-                                                     topic: str) -> None:
+def test_timed_out_transaction_is_aborted_and_fenced(
+    cp: ControlPlane, bootstrap: str, topic: str
+) -> None:
     tid = unique("facts-timeout")
     _, (pid, epoch) = ongoing_then_destroyed(bootstrap, topic, tid, timeout_ms=2000)
     started = time.monotonic()
     aborted = wait_for(
         lambda: (d := cp.describe_transaction(tid)) and d.state is TxnState.COMPLETE_ABORT and d,
-        15, interval_s=0.2, what="the coordinator to abort the timed-out transaction")
+        15,
+        interval_s=0.2,
+        what="the coordinator to abort the timed-out transaction",
+    )
     elapsed = time.monotonic() - started
     assert elapsed < 10, f"aborted only after {elapsed:.1f} s"
     assert aborted.producer_id == pid
@@ -327,8 +338,9 @@ def test_timed_out_transaction_is_aborted_and_fenced(cp: ControlPlane, bootstrap
 # -- Fact 7: init_transactions() on the same id aborts the open transaction ------------------------
 
 
-def test_init_transactions_aborts_the_ongoing_transaction(cp: ControlPlane, bootstrap: str,
-                                                          topic: str) -> None:
+def test_init_transactions_aborts_the_ongoing_transaction(
+    cp: ControlPlane, bootstrap: str, topic: str
+) -> None:
     tid = unique("facts-reinit")
     _, (pid, epoch) = ongoing_then_destroyed(bootstrap, topic, tid)
     assert cp.describe_transaction(tid).state is TxnState.ONGOING  # type: ignore[union-attr]

@@ -21,7 +21,7 @@ from _kafka_helpers import (
     unique,
     wait_for,
 )
-from confluent_kafka.admin import AdminClient, ConfigResource
+from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 
 from dualwrite.control_plane import ControlPlane, TopicPartition, TxnState
 from dualwrite.errors import BrokerUnreachableError

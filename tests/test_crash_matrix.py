@@ -37,8 +37,6 @@ from confluent_kafka import TopicPartition as CKTopicPartition
 from dualwrite import ControlPlane, TxnState, create_engine, upgrade_database
 from tests.crash_worker import POINTS, row_ids
 
-pytestmark = pytest.mark.timeout(900)
-
 WORKER = Path(__file__).with_name("crash_worker.py")
 ROUNDS = int(os.environ.get("DUALWRITE_CRASH_ROUNDS", "3"))
 SOAK_ROUNDS = int(os.environ.get("DUALWRITE_SOAK_ROUNDS", "100"))
@@ -48,8 +46,11 @@ ROWS = 3
 TID_PREFIX = f"crash-{uuid.uuid4().hex[:8]}-"
 
 # What `dualwrite recover` must report for the killed transactional id, per crash point.
+# NOT_LISTED: recover did not visit the id (no state row: killed in the id's first transaction).
+NOT_LISTED = "(not listed)"
 EXPECTED_OUTCOMES = {
-    "after-begin": {"already-committed", "nothing-to-do"},  # librdkafka's begin is local
+    # librdkafka's begin is local: Kafka has nothing open.
+    "after-begin": {"already-committed", "nothing-to-do", NOT_LISTED},
     "mid-produce": {"aborted"},
     "after-flush": {"aborted"},
     "after-prepare": {"aborted"},
@@ -79,6 +80,8 @@ class CrashLoop:
     tid: str = field(default_factory=lambda: f"{TID_PREFIX}{uuid.uuid4().hex[:10]}")
     next_txn: int = 1
     history: list[str] = field(default_factory=list)
+    outcomes: Counter[str] = field(default_factory=Counter)
+    recover_program: str = "from dualwrite.cli import main; main()"
     expect_present: set[int] = field(default_factory=set)
     expect_absent: set[int] = field(default_factory=set)
 
@@ -87,6 +90,7 @@ class CrashLoop:
     def run_worker(self, count: int, crash_point: str | None = None,
                    timeout_s: float = 90.0) -> None:
         """Run ``count`` transactions; with ``crash_point`` SIGKILL the worker in the last one."""
+        started = time.monotonic()
         first = self.next_txn
         self.next_txn += count
         stderr_path = self.workdir / f"worker-{first}.err"
@@ -113,6 +117,9 @@ class CrashLoop:
                     break
                 lines.append(line.strip())
                 if line.startswith("AT "):
+                    if crash_point == "during-kafka-commit":
+                        # Spread the kill over the commit's round trips, not only its start.
+                        time.sleep(random.choice((0, 0, 0.003, 0.006, 0.01, 0.02)))
                     os.kill(proc.pid, signal.SIGKILL)
                     killed = True
                     assert line.split()[1] == crash_point, lines
@@ -124,7 +131,7 @@ class CrashLoop:
             sel.close()
             proc.stdout.close()
         what = f"worker txns {first}..{first + count - 1} crash={crash_point}"
-        self.history.append(f"{what}: {lines}")
+        self.history.append(f"{what}: {lines} ({time.monotonic() - started:.1f} s)")
         detail = f"{what}: stdout={lines} exit={code}\n{stderr_path.read_text()[-3000:]}"
         if crash_point:
             assert killed, f"the worker never reached {crash_point}: {detail}"
@@ -138,11 +145,13 @@ class CrashLoop:
 
     def recover(self) -> dict[str, Any]:
         """``dualwrite recover --json`` as a subprocess; asserts exit 0 and returns the report."""
+        started = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, "-m", "dualwrite.cli", "recover", "--db", self.db_url,
+            [sys.executable, "-c", self.recover_program, "recover", "--db", self.db_url,
              "-b", self.bootstrap, "--json"],
             capture_output=True, text=True, timeout=120, env=_python_env())
-        self.history.append(f"recover exit={proc.returncode}: {proc.stdout.strip()}")
+        self.history.append(f"recover exit={proc.returncode} ({time.monotonic() - started:.1f} s)"
+                            f": {' '.join(proc.stdout.split())}")
         assert proc.returncode == 0, (f"recover exited {proc.returncode}\nstdout: {proc.stdout}\n"
                                       f"stderr: {proc.stderr[-3000:]}\n{self.describe()}")
         report: dict[str, Any] = json.loads(proc.stdout)
@@ -154,9 +163,11 @@ class CrashLoop:
         self.run_worker(k, point)
         report = self.recover()
         outcomes = [r["outcome"] for r in report["results"] if r["transactional_id"] == self.tid]
-        assert len(outcomes) == 1, f"recover did not report {self.tid}: {report}"
-        assert outcomes[0] in EXPECTED_OUTCOMES[point], (
-            f"after a kill at {point} recover reported {outcomes[0]!r}, expected one of "
+        assert len(outcomes) <= 1, report
+        outcome = outcomes[0] if outcomes else NOT_LISTED
+        self.outcomes[f"{point}: {outcome}"] += 1
+        assert outcome in EXPECTED_OUTCOMES[point], (
+            f"after a kill at {point} recover reported {outcome!r}, expected one of "
             f"{sorted(EXPECTED_OUTCOMES[point])}\n{self.describe()}")
 
     def describe(self) -> str:
@@ -300,6 +311,7 @@ def make_loop(db_url: str, kafka: Any, new_topic: Any, tmp_path: Path) -> CrashL
 
 # -- tests -------------------------------------------------------------------------------------
 
+@pytest.mark.timeout(120 + 15 * ROUNDS)
 @pytest.mark.parametrize("point", POINTS)
 def test_crash_matrix_postgres(point: str, pg_db_url: str, kafka: Any, new_topic: Any,
                                tmp_path: Path) -> None:
@@ -309,6 +321,7 @@ def test_crash_matrix_postgres(point: str, pg_db_url: str, kafka: Any, new_topic
         loop.crash_round(point, k=2 + r % 3)
     loop.run_worker(2)
     loop.check_invariant()
+    print(f"{loop.tid}: recover outcomes {dict(loop.outcomes)}")
 
 
 @pytest.mark.parametrize("point", POINTS)
@@ -331,7 +344,7 @@ FIRST_TXN_BUG = pytest.mark.xfail(
 @pytest.mark.parametrize("point", [
     pytest.param(p, marks=FIRST_TXN_BUG)
     if p in ("mid-produce", "after-flush", "after-prepare", "after-state-row") else p
-    for p in POINTS])
+    for p in POINTS if p not in ("during-kafka-commit", "after-kafka-commit")])
 def test_crash_in_first_transaction_of_new_id(point: str, pg_db_url: str, kafka: Any,
                                               new_topic: Any, tmp_path: Path) -> None:
     """A kill in the very first transaction of a transactional id (no state row committed yet)."""
@@ -348,17 +361,53 @@ def test_crash_in_first_transaction_of_new_id(point: str, pg_db_url: str, kafka:
     loop.check_invariant()
 
 
+# `dualwrite recover` with a sabotaged control plane: every EndTxn aborts, whatever was asked.
+ABORTING_RECOVER = """
+import dualwrite.control_plane as cp
+end = cp.ControlPlane.end_transaction
+cp.ControlPlane.end_transaction = lambda self, tid, pid, epoch, commit: end(
+    self, tid, pid, epoch, commit=False)
+from dualwrite.cli import main
+main()
+"""
+
+
+def test_invariant_check_catches_a_recovery_that_aborts(pg_db_url: str, kafka: Any,
+                                                        new_topic: Any, tmp_path: Path) -> None:
+    """The harness can fail: a recovery that aborts a DB-committed transaction is caught."""
+    loop = make_loop(pg_db_url, kafka, new_topic, tmp_path)
+    loop.recover_program = ABORTING_RECOVER
+    loop.crash_round("after-db-commit", k=2)  # the sabotaged recover still says "committed"
+    with pytest.raises(AssertionError, match="in the DB but not visible in Kafka") as failure:
+        loop.check_invariant()
+    assert all(f"t2-{i}" in str(failure.value) for i in range(ROWS)), failure.value
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(300 + 15 * SOAK_ROUNDS)
 def test_crash_soak_random_points(pg_db_url: str, kafka: Any, new_topic: Any,
                                   tmp_path: Path) -> None:
-    """``SOAK_ROUNDS`` kills at random points and transactions, checking the invariant often."""
+    """``SOAK_ROUNDS`` kills at random points and transactions, checking the invariant often.
+
+    One round in four skips ``dualwrite recover``: the next writer must finish the in-doubt
+    transaction itself. ``DUALWRITE_SOAK_SEED`` replays a run (the seed is in the failure text).
+    """
     seed = int(os.environ.get("DUALWRITE_SOAK_SEED", str(random.randrange(2**32))))
     rng = random.Random(seed)
     loop = make_loop(pg_db_url, kafka, new_topic, tmp_path)
     loop.history.append(f"seed {seed}")
     for r in range(SOAK_ROUNDS):
-        loop.crash_round(rng.choice(POINTS), k=rng.randint(1, 4))
+        point = rng.choice(POINTS)
+        k = rng.randint(2 if r == 0 else 1, 4)  # k=1 in round 0: see FIRST_TXN_BUG
+        if rng.random() < 0.25:
+            loop.run_worker(k, point)
+            loop.history.append("(no recover: the next writer finishes it)")
+        else:
+            loop.crash_round(point, k)
         if r % 10 == 9:
+            loop.run_worker(1)
             loop.check_invariant()
     loop.run_worker(2)
     loop.check_invariant()
+    print(f"soak: {SOAK_ROUNDS} rounds, seed {seed}, {loop.next_txn - 1} transactions, "
+          f"recover outcomes {dict(loop.outcomes)}")

@@ -6,6 +6,7 @@ the records a read_committed consumer sees in Kafka (each row's value is also a 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -111,10 +112,8 @@ def writers(bootstrap: str) -> Iterator[Callable[..., DualWriter]]:
 
     yield make
     for writer in made:
-        try:
+        with contextlib.suppress(Exception):  # a fenced producer's close() raises
             writer.close()
-        except Exception:  # a fenced producer's close() raises; see test_producer.py
-            pass
 
 
 def rows(engine: sa.Engine) -> list[bytes]:

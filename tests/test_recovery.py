@@ -15,8 +15,14 @@ import pytest
 import sqlalchemy as sa
 
 import dualwrite
-from dualwrite import ControlPlane, Outcome, PreparedTxnState, StateStore, TwoPhaseProducer
-from dualwrite import TxnState
+from dualwrite import (
+    ControlPlane,
+    Outcome,
+    PreparedTxnState,
+    StateStore,
+    TwoPhaseProducer,
+    TxnState,
+)
 from dualwrite.database import normalize_url
 from tests._kafka_helpers import read_committed, unique, wait_for
 
@@ -179,7 +185,7 @@ def test_recover_ids_sharing_one_partition(engine: sa.Engine, store: StateStore,
                                            kafka: Any, new_topic: Any) -> None:
     """The usual deployment: many transactional ids writing the same topic partition."""
     shared = new_topic(kafka, partitions=1)
-    ids, expected = build_scenario(store, bootstrap, lambda _key: shared, unique("rec-shared"))
+    _ids, expected = build_scenario(store, bootstrap, lambda _k: shared, unique("rec-shared"))
     report = dualwrite.recover(engine, kconf, parallelism=1, timeout_s=5)
     assert report.ok, report.as_dict()
     assert read_committed(bootstrap, shared) == expected

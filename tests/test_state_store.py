@@ -1,14 +1,14 @@
 """The state table, its migrations and its lock, on PostgreSQL and on SQLite.
 
-Every test gets an empty database: a fresh SQLite file, or a fresh schema (selected through
-``search_path``) in the PostgreSQL server of the ``postgres_url`` fixture. Without that fixture the
-server comes from ``DUALWRITE_TEST_POSTGRES_URL``; with neither, the PostgreSQL cases are skipped.
+Every test gets an empty database: the fresh SQLite file of ``sqlite_url``, or a fresh schema
+(selected through ``search_path``) in the session's PostgreSQL database of ``postgres_url``.
 """
 
 from __future__ import annotations
 
-import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -43,29 +43,18 @@ pytestmark = pytest.mark.timeout(120)
 HOLD_S = 0.6  # how long the first writer keeps the lock in the concurrency tests
 
 
-def _fixture_or_none(request: pytest.FixtureRequest, name: str) -> Any:
-    try:
-        return request.getfixturevalue(name)
-    except pytest.FixtureLookupError:
-        return None
-
-
 @pytest.fixture(params=["postgresql", "sqlite"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[str]:
+def db_url(request: pytest.FixtureRequest) -> Iterator[str]:
     """URL of an empty database on each backend."""
     if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'dualwrite-test.db'}"
+        yield request.getfixturevalue("sqlite_url")
         return
-    base = _fixture_or_none(request, "postgres_url") or os.environ.get(
-        "DUALWRITE_TEST_POSTGRES_URL"
-    )
-    if not base:
-        pytest.skip("no PostgreSQL: no postgres_url fixture and DUALWRITE_TEST_POSTGRES_URL unset")
+    base: str = request.getfixturevalue("postgres_url")
     schema = f"dw_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(str(base))
+    admin = create_engine(base)
     with admin.begin() as conn:
         conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
-    url = normalize_url(str(base)).update_query_dict({"options": f"-csearch_path={schema}"})
+    url = normalize_url(base).update_query_dict({"options": f"-csearch_path={schema}"})
     try:
         yield url.render_as_string(hide_password=False)
     finally:
@@ -181,12 +170,46 @@ def test_upgrade_from_a_url_string(db_url: str) -> None:
     assert upgrade_database(db_url) == "0001"
 
 
-def test_concurrent_upgrades_both_succeed(engine: sa.Engine) -> None:
-    threads = [_Thread(lambda: upgrade_database(engine)) for _ in range(3)]
+def test_concurrent_upgrades_all_succeed(engine: sa.Engine, db_url: str) -> None:
+    """Several processes (and threads) upgrading one database at once, as at a fleet's start."""
+    code = (
+        "import sys\n"
+        "from dualwrite.database import upgrade_database\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "upgrade_database(sys.argv[1])\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, db_url],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    go = threading.Event()
+
+    def in_process() -> None:
+        assert go.wait(60)
+        upgrade_database(engine)
+
+    threads = [_Thread(in_process) for _ in range(2)]
     for t in threads:
         t.start()
+    for p in procs:  # every interpreter has imported dualwrite and waits
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    go.set()
     for t in threads:
         t.result()
+    for p in procs:
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
     assert current_revision(engine) == "0001"
 
 
@@ -402,8 +425,10 @@ def test_compare_and_set(engine: sa.Engine, store: StateStore) -> None:
     with engine.begin() as conn:
         store.lock(conn, "tid")
         store.write(conn, "tid", "p1")
+    before = store.read("tid")
     assert store.compare_and_set("tid", "other", "") is False
-    assert store.read("tid") == StateRow("tid", "p1", store.read("tid").updated_at)  # type: ignore[union-attr]
+    assert store.read("tid") == before
+    assert isinstance(before, StateRow) and before.prepared_txn_state == "p1"
     assert store.compare_and_set("tid", "p1", "") is True
     row = store.read("tid")
     assert row is not None and row.prepared_txn_state == ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -87,7 +88,8 @@ def kafka_classpath(
         pom_path.write_text(pom, encoding="utf-8")
         out = Path(tmp) / "classpath.txt"
         cmd = [
-            mvn, "-B", "-q", "-f", str(pom_path), "dependency:build-classpath",
+            mvn, "-B", "-q", "-Dstyle.color=never", "-f", str(pom_path),
+            "dependency:build-classpath",
             f"-Dkafka.version={kafka_version}", f"-Dkafka.logging={flavour}",
             f"-Dmdep.outputFile={out}",
         ]  # fmt: skip
@@ -105,7 +107,8 @@ def kafka_classpath(
                 "check that Maven Central (or your mirror in ~/.m2/settings.xml) is reachable"
             ) from None
         if result.returncode != 0 or not out.exists():
-            output = "\n".join((result.stdout + result.stderr).strip().splitlines()[-25:])
+            text = re.sub(r"\x1b\[[0-9;]*m", "", result.stdout + result.stderr)
+            output = "\n".join(text.strip().splitlines()[-25:])
             raise DevClusterError(
                 f"Maven could not resolve org.apache.kafka:kafka_2.13:{kafka_version}. Check that "
                 "the version exists on Maven Central and that Central (or your mirror) is "
@@ -113,7 +116,7 @@ def kafka_classpath(
             )
         classpath = out.read_text().strip()
         log.info("resolved Kafka %s jars in %.1f s", kafka_version, time.monotonic() - started)
-    tmp_cache = cache_file.with_suffix(".tmp")
+    tmp_cache = cache_file.with_suffix(f".{os.getpid()}.tmp")
     tmp_cache.write_text(classpath)
     tmp_cache.replace(cache_file)
     return [Path(p) for p in classpath.split(os.pathsep) if p]

@@ -1,0 +1,229 @@
+"""The ``dualwrite`` command, run as a subprocess the way an operator runs it.
+
+Exit codes are part of the interface: 0 resolved, 3 heuristic outcome, 4 unreachable, 5 some ids
+unresolved (see ``dualwrite/cli.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import dualwrite
+from dualwrite import ControlPlane, PreparedTxnState, StateStore, TwoPhaseProducer, TxnState
+from tests._kafka_helpers import read_committed, unique, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _command() -> list[str]:
+    script = Path(sys.executable).parent / "dualwrite"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "dualwrite.cli"]
+
+
+def dw(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DUALWRITE_DB", "DUALWRITE_BOOTSTRAP_SERVERS")}
+    return subprocess.run([*_command(), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, check=False)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def bootstrap(kafka: Any) -> str:
+    servers: str = kafka.bootstrap_servers
+    return servers
+
+
+@pytest.fixture
+def topic(kafka: Any, new_topic: Any) -> str:
+    name: str = new_topic(kafka, partitions=2)
+    return name
+
+
+@pytest.fixture
+def db(sqlite_url: str) -> str:
+    dualwrite.upgrade_database(sqlite_url)
+    return sqlite_url
+
+
+@pytest.fixture
+def store(db: str) -> Any:
+    engine = dualwrite.create_engine(db)
+    yield StateStore(engine)
+    engine.dispose()
+
+
+def prepare(bootstrap: str, topic: str, tid: str, values: list[str],
+            timeout_ms: int = 60_000) -> PreparedTxnState:
+    """A prepared transaction left open at the coordinator (the process 'crashed')."""
+    p = TwoPhaseProducer({"bootstrap.servers": bootstrap, "transactional.id": tid,
+                          "linger.ms": 0, "transaction.timeout.ms": timeout_ms}, timeout_s=20)
+    try:
+        p.init_transactions()
+        p.begin_transaction()
+        for v in values:
+            p.produce(topic, v.encode())
+        return p.prepare_transaction()
+    finally:
+        p.close()
+
+
+def test_help_lists_commands() -> None:
+    result = dw("--help")
+    assert result.returncode == 0, result.stderr
+    for command in ("recover", "status", "probe", "db", "force-terminate"):
+        assert command in result.stdout
+    assert dw("no-such-command").returncode == 2
+
+
+def test_db_upgrade_sqlite(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    result = dw("db", "upgrade", "--db", url)
+    assert result.returncode == 0, result.stderr
+    assert "revision" in result.stdout
+    engine = dualwrite.create_engine(url)
+    try:
+        dualwrite.check_schema(engine)  # raises if the tables are missing
+    finally:
+        engine.dispose()
+    assert dw("db", "upgrade", "--db", url).returncode == 0  # again: nothing to do
+
+
+def test_recover_json(db: str, store: StateStore, bootstrap: str, topic: str) -> None:
+    tid = unique("cli-rec")
+    state = prepare(bootstrap, topic, tid, ["r1", "r2"])
+    assert store.compare_and_set(tid, "", str(state))
+    result = dw("recover", "--db", db, "-b", bootstrap, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] is True
+    assert report["counts"] == {"committed": 1}
+    assert report["results"][0]["transactional_id"] == tid
+    assert report["results"][0]["state"] == str(state)
+    assert read_committed(bootstrap, topic) == [b"r1", b"r2"]
+    second = dw("recover", "--db", db, "-b", bootstrap, "--json")
+    assert second.returncode == 0, second.stderr
+    assert json.loads(second.stdout)["counts"] == {"nothing-to-do": 1}
+    text = dw("recover", "--db", db, "-b", bootstrap)  # human-readable form
+    assert text.returncode == 0 and tid in text.stdout
+
+
+def test_recover_heuristic_exit_3(db: str, store: StateStore, bootstrap: str,
+                                  topic: str) -> None:
+    tid = unique("cli-heur")
+    state = prepare(bootstrap, topic, tid, ["lost"], timeout_ms=2000)
+    assert store.compare_and_set(tid, "", str(state))
+    with ControlPlane({"bootstrap.servers": bootstrap}, timeout_s=10) as cp:
+        wait_for(lambda: (d := cp.describe_transaction(tid)) is not None
+                 and d.state is TxnState.COMPLETE_ABORT, 20, interval_s=0.25,
+                 what="the broker to abort the timed-out transaction")
+    result = dw("recover", "--db", db, "-b", bootstrap)
+    assert result.returncode == 3, (result.stdout, result.stderr)
+    assert "heuristic-abort" in result.stdout and tid in result.stdout
+    acked = dw("recover", "--db", db, "-b", bootstrap, "--acknowledge-heuristic", "--json")
+    assert acked.returncode == 0, acked.stderr
+    assert json.loads(acked.stdout)["counts"] == {"heuristic-acknowledged": 1}
+
+
+def test_unreachable_broker_exit_4(db: str, store: StateStore) -> None:
+    assert store.compare_and_set(unique("cli-down"), "", "")
+    closed = f"127.0.0.1:{_closed_port()}"
+    for args in (("recover", "--db", db), ("probe",)):
+        started = time.monotonic()
+        result = dw(*args, "-b", closed, "--timeout", "3")
+        assert result.returncode == 4, (args, result.stdout, result.stderr)
+        assert "error:" in result.stderr and closed in result.stderr
+        assert "Traceback" not in result.stderr
+        assert time.monotonic() - started < 30
+
+
+def test_status(db: str, store: StateStore, bootstrap: str, topic: str) -> None:
+    prefix = unique("cli-stat")
+    doubt, hanging = f"{prefix}-doubt", f"{prefix}-hanging"
+    state = prepare(bootstrap, topic, doubt, ["s"])
+    assert store.compare_and_set(doubt, "", str(state))
+    prepare(bootstrap, topic, hanging, ["h"])
+    text = dw("status", "--db", db, "-b", bootstrap, "--prefix", prefix)
+    assert text.returncode == 0, text.stderr
+    assert doubt in text.stdout and "Ongoing" in text.stdout and str(state) in text.stdout
+    assert "in doubt: 1" in text.stdout
+    assert hanging in text.stdout
+    as_json = dw("status", "--db", db, "-b", bootstrap, "--prefix", prefix, "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    report = json.loads(as_json.stdout)
+    row = report["transactional_ids"][0]
+    assert row["transactional_id"] == doubt and row["in_doubt"] is True
+    assert row["broker"]["state"] == "Ongoing" and row["broker"]["open_for_ms"] >= 0
+    assert [h["transactional_id"] for h in report["hanging"]] == [hanging]
+    with ControlPlane({"bootstrap.servers": bootstrap}, timeout_s=10) as cp:
+        cp.fence(hanging)
+        cp.fence(doubt)
+
+
+def test_force_terminate_aborts_open_transaction(bootstrap: str, topic: str) -> None:
+    tid = unique("cli-force")
+    prepare(bootstrap, topic, tid, ["never1", "never2"])
+    assert read_committed(bootstrap, topic) == []
+    result = dw("force-terminate", "-b", bootstrap, "-t", tid, "--yes")
+    assert result.returncode == 0, result.stderr
+    assert "Ongoing" in result.stdout and tid in result.stdout
+    with ControlPlane({"bootstrap.servers": bootstrap}, timeout_s=10) as cp:
+        wait_for(lambda: (d := cp.describe_transaction(tid)) is not None
+                 and not d.state.in_flight, 10, what="the abort to complete")
+    # A later transaction on the same partitions commits; the terminated records never show.
+    p = TwoPhaseProducer({"bootstrap.servers": bootstrap, "transactional.id": unique("cli-next"),
+                          "linger.ms": 0, "transaction.timeout.ms": 60_000}, timeout_s=20)
+    try:
+        p.init_transactions()
+        p.begin_transaction()
+        for partition in (0, 1):
+            p.produce(topic, b"later", partition=partition)
+        p.prepare_transaction()
+        p.commit_transaction()
+    finally:
+        p.close()
+    assert read_committed(bootstrap, topic) == [b"later", b"later"]
+    # Without --yes and with no one to confirm, nothing happens.
+    refused = dw("force-terminate", "-b", bootstrap, "-t", tid)
+    assert refused.returncode != 0
+
+
+def test_probe_json(bootstrap: str) -> None:
+    result = dw("probe", "-b", bootstrap, "--json")
+    assert result.returncode == 0, result.stderr
+    probe = json.loads(result.stdout)
+    assert "transaction_version" in probe
+    assert isinstance(probe["transaction_version"], int)
+    assert probe["brokers"] and probe["brokers"][0]["api_versions"]
+    assert probe["max_transaction_timeout_ms"] and probe["max_transaction_timeout_ms"] > 0
+
+
+def test_malformed_state_row_exit_5(db: str, store: StateStore, bootstrap: str) -> None:
+    tid = unique("cli-bad")
+    bad = "dw1:not-a-state:x"
+    assert store.compare_and_set(tid, "", bad)
+    result = dw("recover", "--db", db, "-b", bootstrap, "--json")
+    assert result.returncode == 5, (result.stdout, result.stderr)
+    report = json.loads(result.stdout)
+    assert report["ok"] is False
+    [entry] = report["results"]
+    assert entry["outcome"] == "failed" and entry["transactional_id"] == tid
+    assert repr(bad) in entry["detail"]
+    row = store.read(tid)
+    assert row is not None and row.prepared_txn_state == bad  # left alone for a human
