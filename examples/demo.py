@@ -93,13 +93,13 @@ def main() -> int:
         half = args.orders // 2
 
         step(f"placing {half} orders: each an `orders` row and an event, atomically")
-        run(service + ["--orders", str(half)], check=True, stdout=subprocess.DEVNULL)
+        run([*service, "--orders", str(half)], check=True, stdout=subprocess.DEVNULL)
 
         crash_on = half + 3
         step(f"placing more orders, SIGKILLed after the database committed order {crash_on} "
              "and before Kafka did")
-        killed = run(service + ["--orders", str(args.orders - half), "--first", str(half),
-                                "--crash-at", "after-db-commit", "--crash-on", str(crash_on)],
+        killed = run([*service, "--orders", str(args.orders - half), "--first", str(half),
+                      "--crash-at", "after-db-commit", "--crash-on", str(crash_on)],
                      stdout=subprocess.DEVNULL)
         print(f"order service exited with {killed.returncode} (-9 = SIGKILL)")
 
@@ -111,7 +111,7 @@ def main() -> int:
 
         rest = args.orders - (crash_on + 1)
         step(f"restarting the order service for the remaining {rest} orders")
-        run(service + ["--orders", str(rest), "--first", str(crash_on + 1)], check=True,
+        run([*service, "--orders", str(rest), "--first", str(crash_on + 1)], check=True,
             stdout=subprocess.DEVNULL)
 
         step("verifying: database rows vs records a read_committed consumer sees")

@@ -24,7 +24,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -305,18 +305,36 @@ def sqlite_db_url(sqlite_url: str) -> str:
     return sqlite_url
 
 
-def make_loop(db_url: str, kafka: Any, new_topic: Any, tmp_path: Path) -> CrashLoop:
-    return CrashLoop(db_url, kafka.bootstrap_servers, new_topic(kafka, partitions=3), tmp_path)
+LoopFactory = Callable[[str], CrashLoop]
+
+
+@pytest.fixture
+def make_loop(kafka: Any, new_topic: Any, tmp_path: Path) -> Iterator[LoopFactory]:
+    """``make_loop(db_url)``: a CrashLoop on a new topic. At teardown an in-flight transaction of
+    its id is fenced, so one failing test does not fail the others' checks."""
+    loops: list[CrashLoop] = []
+
+    def make(db_url: str) -> CrashLoop:
+        loop = CrashLoop(db_url, kafka.bootstrap_servers, new_topic(kafka, partitions=3),
+                         tmp_path)
+        loops.append(loop)
+        return loop
+
+    yield make
+    with ControlPlane({"bootstrap.servers": kafka.bootstrap_servers}, timeout_s=15) as cp:
+        for loop in loops:
+            desc = cp.describe_transaction(loop.tid)
+            if desc is not None and desc.state.in_flight:
+                cp.fence(loop.tid)
 
 
 # -- tests -------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(120 + 15 * ROUNDS)
 @pytest.mark.parametrize("point", POINTS)
-def test_crash_matrix_postgres(point: str, pg_db_url: str, kafka: Any, new_topic: Any,
-                               tmp_path: Path) -> None:
+def test_crash_matrix_postgres(point: str, pg_db_url: str, make_loop: LoopFactory) -> None:
     """``ROUNDS`` kills at ``point``, in the 2nd, 3rd, 4th … transaction of a worker."""
-    loop = make_loop(pg_db_url, kafka, new_topic, tmp_path)
+    loop = make_loop(pg_db_url)
     for r in range(ROUNDS):
         loop.crash_round(point, k=2 + r % 3)
     loop.run_worker(2)
@@ -325,10 +343,9 @@ def test_crash_matrix_postgres(point: str, pg_db_url: str, kafka: Any, new_topic
 
 
 @pytest.mark.parametrize("point", POINTS)
-def test_crash_matrix_sqlite(point: str, sqlite_db_url: str, kafka: Any, new_topic: Any,
-                             tmp_path: Path) -> None:
+def test_crash_matrix_sqlite(point: str, sqlite_db_url: str, make_loop: LoopFactory) -> None:
     """One kill at ``point`` on SQLite, the embedded default."""
-    loop = make_loop(sqlite_db_url, kafka, new_topic, tmp_path)
+    loop = make_loop(sqlite_db_url)
     loop.crash_round(point, k=2)
     loop.run_worker(2)
     loop.check_invariant()
@@ -345,18 +362,12 @@ FIRST_TXN_BUG = pytest.mark.xfail(
     pytest.param(p, marks=FIRST_TXN_BUG)
     if p in ("mid-produce", "after-flush", "after-prepare", "after-state-row") else p
     for p in POINTS if p not in ("during-kafka-commit", "after-kafka-commit")])
-def test_crash_in_first_transaction_of_new_id(point: str, pg_db_url: str, kafka: Any,
-                                              new_topic: Any, tmp_path: Path) -> None:
+def test_crash_in_first_transaction_of_new_id(point: str, pg_db_url: str,
+                                              make_loop: LoopFactory) -> None:
     """A kill in the very first transaction of a transactional id (no state row committed yet)."""
-    loop = make_loop(pg_db_url, kafka, new_topic, tmp_path)
-    try:
-        loop.crash_round(point, k=1)
-        loop.check_invariant()
-    finally:
-        with ControlPlane({"bootstrap.servers": loop.bootstrap}, timeout_s=15) as cp:
-            desc = cp.describe_transaction(loop.tid)
-            if desc is not None and desc.state.in_flight:
-                cp.fence(loop.tid)  # do not leave a hanging transaction to later tests
+    loop = make_loop(pg_db_url)
+    loop.crash_round(point, k=1)
+    loop.check_invariant()
     loop.run_worker(2)
     loop.check_invariant()
 
@@ -372,10 +383,10 @@ main()
 """
 
 
-def test_invariant_check_catches_a_recovery_that_aborts(pg_db_url: str, kafka: Any,
-                                                        new_topic: Any, tmp_path: Path) -> None:
+def test_invariant_check_catches_a_recovery_that_aborts(pg_db_url: str,
+                                                        make_loop: LoopFactory) -> None:
     """The harness can fail: a recovery that aborts a DB-committed transaction is caught."""
-    loop = make_loop(pg_db_url, kafka, new_topic, tmp_path)
+    loop = make_loop(pg_db_url)
     loop.recover_program = ABORTING_RECOVER
     loop.crash_round("after-db-commit", k=2)  # the sabotaged recover still says "committed"
     with pytest.raises(AssertionError, match="in the DB but not visible in Kafka") as failure:
@@ -385,8 +396,7 @@ def test_invariant_check_catches_a_recovery_that_aborts(pg_db_url: str, kafka: A
 
 @pytest.mark.slow
 @pytest.mark.timeout(300 + 15 * SOAK_ROUNDS)
-def test_crash_soak_random_points(pg_db_url: str, kafka: Any, new_topic: Any,
-                                  tmp_path: Path) -> None:
+def test_crash_soak_random_points(pg_db_url: str, make_loop: LoopFactory) -> None:
     """``SOAK_ROUNDS`` kills at random points and transactions, checking the invariant often.
 
     One round in four skips ``dualwrite recover``: the next writer must finish the in-doubt
@@ -394,7 +404,7 @@ def test_crash_soak_random_points(pg_db_url: str, kafka: Any, new_topic: Any,
     """
     seed = int(os.environ.get("DUALWRITE_SOAK_SEED", str(random.randrange(2**32))))
     rng = random.Random(seed)
-    loop = make_loop(pg_db_url, kafka, new_topic, tmp_path)
+    loop = make_loop(pg_db_url)
     loop.history.append(f"seed {seed}")
     for r in range(SOAK_ROUNDS):
         point = rng.choice(POINTS)

@@ -197,14 +197,6 @@ def test_malformed_text_raises_quoting_it(text: str) -> None:
     assert exc.reason and exc.reason in str(exc)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "prepared_state.py: _TOPIC/_HASHED_TOPIC/_INT use `$`, which also matches before a "
-        "trailing newline, so '1:5\\n' parses as 1:5 and a topic 'a\\n' is accepted; use "
-        "re.fullmatch (or \\Z)"
-    ),
-)
 @pytest.mark.parametrize("text", ["1:5\n", "dw1:1:2:topic\n:0:0", "dw1:1:2:topic:0:0\n"])
 def test_trailing_newline_is_malformed(text: str) -> None:
     with pytest.raises(InvalidPreparedStateError):

@@ -344,10 +344,6 @@ def test_fenced_before_prepare_is_detected_at_prepare(producers: Any, bootstrap:
     assert read_committed(bootstrap, topic) == [b"winner"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "producer.py flush_and_state()/produce(): a fatal _FENCED error surfaces from "
-    "confluent-kafka's flush() as SystemError (KafkaException as __cause__, raised while the "
-    "delivery callback runs), not translated; expected ProducerFencedError"))
 def test_fenced_while_idle_next_transaction_raises_fenced(producers: Any, bootstrap: str,
                                                           topic: str) -> None:
     p1 = producers()
@@ -384,9 +380,6 @@ def test_commit_after_being_fenced_reports_lost_records(producers: Any, bootstra
     assert read_committed(bootstrap, topic) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "producer.py close(): `self._producer.flush(0)` re-raises librdkafka's fatal _FENCED "
-    "error as a raw KafkaException; close() of a fenced producer must release it quietly"))
 def test_close_after_fence_does_not_raise(producers: Any, topic: str) -> None:
     p1 = producers()
     p1.init_transactions()

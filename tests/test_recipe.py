@@ -254,11 +254,6 @@ def test_two_writers_one_transactional_id_keep_invariant(
     assert oks <= set(committed)  # every transaction that returned normally is in both
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "library bugs, interleaving-dependent (so not strict): (1) producer.py flush_and_state() "
-    "lets confluent-kafka's fatal _FENCED error out as SystemError; (2) completion.py complete() "
-    "races the owning writer: the Ongoing transaction it decided to abort ends first and "
-    "EndTxn(abort) fails with INVALID_TXN_STATE (FatalKafkaError) instead of re-deciding"))
 def test_two_writers_one_transactional_id_stale_one_is_fenced(
         writers: Any, engine: sa.Engine, bootstrap: str, topic: str, db_url: str) -> None:
     tid = unique("recipe-two-fenced")
@@ -309,6 +304,7 @@ def test_commit_error_after_db_committed_still_commits_kafka(
     """The COMMIT reached the database but the answer was lost (simulated): the writer asks the
     database, learns it committed, and commits Kafka: both sides."""
     writer = writers(engine, unique("recipe-lostack"))
+    _ = writer.producer  # registers the id (its own commit) before the fault is armed
     dialect = engine.dialect
     real_commit = dialect.do_commit
     armed = {"on": True}
@@ -374,10 +370,6 @@ def test_heuristic_abort_stops_writer_without_hook(
     assert stored is not None and stored.prepared_txn_state == state  # left for an operator
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "producer.py complete_transaction(): when complete() raises HeuristicAbortError in phase "
-    "AWAITING_COMPLETION, _start_librdkafka() is never called, so after the hook DualWriter's "
-    "begin_transaction() raises TransactionStateError ('awaiting complete_transaction')"))
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 def test_heuristic_abort_hook_called_and_writer_continues(
         writers: Any, engine: sa.Engine, bootstrap: str, topic: str,

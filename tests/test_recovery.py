@@ -175,11 +175,6 @@ def test_recover_resolves_many_ids_and_is_idempotent(engine: sa.Engine, store: S
     assert [r.transactional_id for r in only.results] == [ids["commit1"]]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "recovery.py _resolve_one(): complete() runs while the id's state-row lock is held, and its "
-    "anchor check (completion.committed_at_anchor) waits for the partition's last stable offset, "
-    "which another id's still-unresolved open transaction pins; that id waits for a worker "
-    "(parallelism) or, on SQLite, for the database write lock -> timeout, outcome FAILED"))
 def test_recover_ids_sharing_one_partition(engine: sa.Engine, store: StateStore,
                                            kconf: dict[str, Any], bootstrap: str,
                                            kafka: Any, new_topic: Any) -> None:
