@@ -248,18 +248,13 @@ class TwoPhaseProducer:
         self._require(_Phase.IN_TRANSACTION, verb="produce")
         assert self._producer is not None
 
-        def delivered(err: KafkaError | None, msg: Message) -> None:
-            if err is not None:
-                with self._lock:
-                    self._delivery_errors.append(f"{msg.topic()}[{msg.partition()}]: {err.str()}")
-            else:
-                tp = TopicPartition(str(msg.topic()), int(msg.partition() or 0))
-                offset = int(msg.offset() or 0)
-                with self._lock:
-                    if tp not in self._first_offsets or offset < self._first_offsets[tp]:
-                        self._first_offsets[tp] = offset
-            if on_delivery is not None:
-                on_delivery(err, msg)
+        delivered: Callable[[KafkaError | None, Message], None] = self._record_delivery
+        if on_delivery is not None:
+            user_callback = on_delivery
+
+            def delivered(err: KafkaError | None, msg: Message) -> None:
+                self._record_delivery(err, msg)
+                user_callback(err, msg)
 
         kwargs: dict[str, Any] = {"value": value, "key": key, "on_delivery": delivered,
                                   "timestamp": timestamp}
@@ -274,10 +269,23 @@ class TwoPhaseProducer:
                     break
                 except BufferError:
                     self._producer.poll(0.1)  # local queue full: let deliveries drain
-            self._producer.poll(0)
+            if self._produced % 256 == 0:
+                self._producer.poll(0)  # serve delivery reports now and then, not per record
         except (KafkaException, SystemError) as exc:
             raise self._fail(exc, f"produce to {topic}") from exc
         self._produced += 1
+
+    def _record_delivery(self, err: KafkaError | None, msg: Message) -> None:
+        """Delivery report: remember failures and each partition's first offset (the anchor)."""
+        if err is not None:
+            with self._lock:
+                self._delivery_errors.append(f"{msg.topic()}[{msg.partition()}]: {err.str()}")
+            return
+        tp = TopicPartition(str(msg.topic()), int(msg.partition() or 0))
+        offset = int(msg.offset() or 0)
+        with self._lock:
+            if tp not in self._first_offsets or offset < self._first_offsets[tp]:
+                self._first_offsets[tp] = offset
 
     def flush_and_state(self) -> PreparedTxnState:
         """Flush, fail on any delivery error, and compute the state (no coordinator round trip).

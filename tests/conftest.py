@@ -133,3 +133,15 @@ def new_topic(request: pytest.FixtureRequest) -> NewTopic:
         return cluster.create_topic(name, partitions, **kwargs)  # type: ignore[arg-type]
 
     return create
+
+
+@pytest.fixture
+def bootstrap(kafka: KafkaTarget) -> str:
+    """Bootstrap servers of the session's Kafka 4.3.1 (test modules may override it)."""
+    return kafka.bootstrap_servers
+
+
+@pytest.fixture
+def topic(kafka: KafkaTarget, new_topic: NewTopic) -> str:
+    """A fresh 3-partition topic on the session's Kafka 4.3.1."""
+    return new_topic(kafka, partitions=3)

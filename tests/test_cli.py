@@ -45,12 +45,6 @@ def _closed_port() -> int:
 
 
 @pytest.fixture
-def bootstrap(kafka: Any) -> str:
-    servers: str = kafka.bootstrap_servers
-    return servers
-
-
-@pytest.fixture
 def topic(kafka: Any, new_topic: Any) -> str:
     name: str = new_topic(kafka, partitions=2)
     return name

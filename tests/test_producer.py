@@ -31,18 +31,6 @@ pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.fixture
-def bootstrap(kafka: Any) -> str:
-    servers: str = kafka.bootstrap_servers
-    return servers
-
-
-@pytest.fixture
-def topic(kafka: Any, new_topic: Any) -> str:
-    name: str = new_topic(kafka, partitions=3)
-    return name
-
-
-@pytest.fixture
 def tid() -> str:
     return unique("tpp")
 

@@ -86,18 +86,6 @@ def engine(db_url: str) -> Iterator[sa.Engine]:
 
 
 @pytest.fixture
-def bootstrap(kafka: Any) -> str:
-    servers: str = kafka.bootstrap_servers
-    return servers
-
-
-@pytest.fixture
-def topic(kafka: Any, new_topic: Any) -> str:
-    name: str = new_topic(kafka, partitions=3)
-    return name
-
-
-@pytest.fixture
 def writers(bootstrap: str) -> Iterator[Callable[..., DualWriter]]:
     """``make(engine, tid, **kw)``: a DualWriter, closed at the end of the test."""
     made: list[DualWriter] = []

@@ -65,20 +65,8 @@ def store(engine: sa.Engine) -> StateStore:
 
 
 @pytest.fixture
-def bootstrap(kafka: Any) -> str:
-    servers: str = kafka.bootstrap_servers
-    return servers
-
-
-@pytest.fixture
 def kconf(bootstrap: str) -> dict[str, Any]:
     return {"bootstrap.servers": bootstrap}
-
-
-@pytest.fixture
-def topic(kafka: Any, new_topic: Any) -> str:
-    name: str = new_topic(kafka, partitions=3)
-    return name
 
 
 def prepare(bootstrap: str, topic: str, tid: str, values: list[str], *, commit: bool = False,
