@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,8 @@ from confluent_kafka import Consumer, KafkaException, Producer
 from confluent_kafka import TopicPartition as CTopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
+from dualwrite import PreparedTxnState, TwoPhaseProducer
+
 __all__ = [
     "Delivery",
     "ProducerProcess",
@@ -32,6 +35,32 @@ __all__ = [
     "unique",
     "wait_for",
 ]
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (for "broker unreachable" tests)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def prepare_open(bootstrap: str, topic: str, tid: str, values: list[str], *,
+                 commit: bool = False, timeout_ms: int = 60_000) -> PreparedTxnState:
+    """Prepare a transaction holding ``values`` (commit it too if asked), then drop the producer
+    as a crashed process would: an uncommitted transaction stays open at the coordinator."""
+    p = TwoPhaseProducer({"bootstrap.servers": bootstrap, "transactional.id": tid,
+                          "linger.ms": 0, "transaction.timeout.ms": timeout_ms}, timeout_s=20)
+    try:
+        p.init_transactions()
+        p.begin_transaction()
+        for v in values:
+            p.produce(topic, v.encode(), key=v.encode())
+        state = p.prepare_transaction()
+        if commit:
+            p.commit_transaction()
+    finally:
+        p.close()
+    return state
 
 
 def unique(prefix: str) -> str:

@@ -24,6 +24,8 @@ from typing import cast
 
 import pytest
 
+import dualwrite
+from dualwrite.database import normalize_url
 from dualwrite.dev import ExternalKafkaCluster, KafkaTarget, LocalKafkaCluster, LocalPostgres
 from dualwrite.dev.kafka_cluster import Backend
 
@@ -145,3 +147,29 @@ def bootstrap(kafka: KafkaTarget) -> str:
 def topic(kafka: KafkaTarget, new_topic: NewTopic) -> str:
     """A fresh 3-partition topic on the session's Kafka 4.3.1."""
     return new_topic(kafka, partitions=3)
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """The database a test runs on (narrow it with ``parametrize(..., indirect=True)``)."""
+    return str(request.param)
+
+
+@pytest.fixture
+def empty_db_url(backend: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """An empty database on ``backend``: a fresh SQLite file, or a fresh PostgreSQL schema."""
+    if backend == "sqlite":
+        yield request.getfixturevalue("sqlite_url")
+        return
+    base: str = request.getfixturevalue("postgres_url")
+    schema = f"dw_test_{uuid.uuid4().hex[:12]}"
+    admin = dualwrite.create_engine(base)
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
+    url = normalize_url(base).update_query_dict({"options": f"-csearch_path={schema}"})
+    try:
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
+        admin.dispose()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,8 +17,8 @@ from typing import Any
 import pytest
 
 import dualwrite
-from dualwrite import ControlPlane, PreparedTxnState, StateStore, TwoPhaseProducer, TxnState
-from tests._kafka_helpers import read_committed, unique, wait_for
+from dualwrite import ControlPlane, StateStore, TwoPhaseProducer, TxnState
+from tests._kafka_helpers import closed_port, prepare_open, read_committed, unique, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,12 +35,6 @@ def dw(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
            if k not in ("DUALWRITE_DB", "DUALWRITE_BOOTSTRAP_SERVERS")}
     return subprocess.run([*_command(), *args], capture_output=True, text=True, timeout=timeout,
                           env=env, check=False)
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -61,21 +54,6 @@ def store(db: str) -> Any:
     engine = dualwrite.create_engine(db)
     yield StateStore(engine)
     engine.dispose()
-
-
-def prepare(bootstrap: str, topic: str, tid: str, values: list[str],
-            timeout_ms: int = 60_000) -> PreparedTxnState:
-    """A prepared transaction left open at the coordinator (the process 'crashed')."""
-    p = TwoPhaseProducer({"bootstrap.servers": bootstrap, "transactional.id": tid,
-                          "linger.ms": 0, "transaction.timeout.ms": timeout_ms}, timeout_s=20)
-    try:
-        p.init_transactions()
-        p.begin_transaction()
-        for v in values:
-            p.produce(topic, v.encode())
-        return p.prepare_transaction()
-    finally:
-        p.close()
 
 
 def test_help_lists_commands() -> None:
@@ -101,7 +79,7 @@ def test_db_upgrade_sqlite(tmp_path: Path) -> None:
 
 def test_recover_json(db: str, store: StateStore, bootstrap: str, topic: str) -> None:
     tid = unique("cli-rec")
-    state = prepare(bootstrap, topic, tid, ["r1", "r2"])
+    state = prepare_open(bootstrap, topic, tid, ["r1", "r2"])
     assert store.compare_and_set(tid, "", str(state))
     result = dw("recover", "--db", db, "-b", bootstrap, "--json")
     assert result.returncode == 0, result.stderr
@@ -121,7 +99,7 @@ def test_recover_json(db: str, store: StateStore, bootstrap: str, topic: str) ->
 def test_recover_heuristic_exit_3(db: str, store: StateStore, bootstrap: str,
                                   topic: str) -> None:
     tid = unique("cli-heur")
-    state = prepare(bootstrap, topic, tid, ["lost"], timeout_ms=2000)
+    state = prepare_open(bootstrap, topic, tid, ["lost"], timeout_ms=2000)
     assert store.compare_and_set(tid, "", str(state))
     with ControlPlane({"bootstrap.servers": bootstrap}, timeout_s=10) as cp:
         wait_for(lambda: (d := cp.describe_transaction(tid)) is not None
@@ -137,7 +115,7 @@ def test_recover_heuristic_exit_3(db: str, store: StateStore, bootstrap: str,
 
 def test_unreachable_broker_exit_4(db: str, store: StateStore) -> None:
     assert store.compare_and_set(unique("cli-down"), "", "")
-    closed = f"127.0.0.1:{_closed_port()}"
+    closed = f"127.0.0.1:{closed_port()}"
     for args in (("recover", "--db", db), ("probe",)):
         started = time.monotonic()
         result = dw(*args, "-b", closed, "--timeout", "3")
@@ -150,9 +128,9 @@ def test_unreachable_broker_exit_4(db: str, store: StateStore) -> None:
 def test_status(db: str, store: StateStore, bootstrap: str, topic: str) -> None:
     prefix = unique("cli-stat")
     doubt, hanging = f"{prefix}-doubt", f"{prefix}-hanging"
-    state = prepare(bootstrap, topic, doubt, ["s"])
+    state = prepare_open(bootstrap, topic, doubt, ["s"])
     assert store.compare_and_set(doubt, "", str(state))
-    prepare(bootstrap, topic, hanging, ["h"])
+    prepare_open(bootstrap, topic, hanging, ["h"])
     text = dw("status", "--db", db, "-b", bootstrap, "--prefix", prefix)
     assert text.returncode == 0, text.stderr
     assert doubt in text.stdout and "Ongoing" in text.stdout and str(state) in text.stdout
@@ -172,7 +150,7 @@ def test_status(db: str, store: StateStore, bootstrap: str, topic: str) -> None:
 
 def test_force_terminate_aborts_open_transaction(bootstrap: str, topic: str) -> None:
     tid = unique("cli-force")
-    prepare(bootstrap, topic, tid, ["never1", "never2"])
+    prepare_open(bootstrap, topic, tid, ["never1", "never2"])
     assert read_committed(bootstrap, topic) == []
     result = dw("force-terminate", "-b", bootstrap, "-t", tid, "--yes")
     assert result.returncode == 0, result.stderr

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,53 +28,20 @@ from dualwrite import (
 )
 from dualwrite.control_plane import ControlPlane
 from dualwrite.database import normalize_url
-from tests._kafka_helpers import read_committed, unique, wait_for
+from tests._kafka_helpers import closed_port, read_committed, unique, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-def backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 @pytest.fixture
-def bare_db_url(backend: str, request: pytest.FixtureRequest, sqlite_url: str) -> Iterator[str]:
-    """An empty database: a fresh SQLite file, or a fresh PostgreSQL schema."""
-    if backend == "sqlite":
-        yield sqlite_url
-        return
-    base = request.getfixturevalue("postgres_url")
-    schema = f"dw_recipe_{uuid.uuid4().hex[:12]}"
-    admin = dualwrite.create_engine(base)
-    with admin.begin() as conn:
-        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
-    url = normalize_url(base).update_query_dict({"options": f"-csearch_path={schema}"})
-    try:
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
-        admin.dispose()
-
-
-@pytest.fixture
-def db_url(bare_db_url: str) -> str:
+def db_url(empty_db_url: str) -> str:
     """An empty database with dualwrite's tables and the application table ``app_rows``."""
-    dualwrite.upgrade_database(bare_db_url)
-    engine = dualwrite.create_engine(bare_db_url)
+    dualwrite.upgrade_database(empty_db_url)
+    engine = dualwrite.create_engine(empty_db_url)
     with engine.begin() as conn:
         conn.exec_driver_sql("CREATE TABLE app_rows (value VARCHAR(100) PRIMARY KEY)")
     engine.dispose()
-    return bare_db_url
+    return empty_db_url
 
 
 @pytest.fixture
@@ -166,8 +132,8 @@ def test_body_exception_rolls_back_both(writers: Any, engine: sa.Engine, bootstr
     assert assert_invariant(engine, bootstrap, topic) == [b"after", b"before"]
 
 
-def test_missing_migrations(bare_db_url: str, writers: Any) -> None:
-    engine = dualwrite.create_engine(bare_db_url)
+def test_missing_migrations(empty_db_url: str, writers: Any) -> None:
+    engine = dualwrite.create_engine(empty_db_url)
     try:
         writer = writers(engine, unique("recipe-nomig"))
         with pytest.raises(MigrationRequiredError, match="dualwrite db upgrade"), \
@@ -179,7 +145,7 @@ def test_missing_migrations(bare_db_url: str, writers: Any) -> None:
 
 def test_broker_down_fails_fast(sqlite_url: str) -> None:
     dualwrite.upgrade_database(sqlite_url)
-    config = {"bootstrap.servers": f"127.0.0.1:{_closed_port()}"}
+    config = {"bootstrap.servers": f"127.0.0.1:{closed_port()}"}
     writer = DualWriter(sqlite_url, config, transactional_id=unique("recipe-down"), timeout_s=3)
     started = time.monotonic()
     try:

@@ -7,7 +7,6 @@ transaction stays Ongoing at the coordinator), and the state table holds what th
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,36 +19,18 @@ from dualwrite import (
     Outcome,
     PreparedTxnState,
     StateStore,
-    TwoPhaseProducer,
     TxnState,
 )
-from dualwrite.database import normalize_url
-from tests._kafka_helpers import read_committed, unique, wait_for
+from tests._kafka_helpers import prepare_open, read_committed, unique, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
-def db_url(request: pytest.FixtureRequest, sqlite_url: str) -> Iterator[str]:
+@pytest.fixture
+def db_url(empty_db_url: str) -> str:
     """An empty database with dualwrite's tables: a SQLite file or a PostgreSQL schema."""
-    if request.param == "sqlite":
-        dualwrite.upgrade_database(sqlite_url)
-        yield sqlite_url
-        return
-    base = request.getfixturevalue("postgres_url")
-    schema = f"dw_recover_{uuid.uuid4().hex[:12]}"
-    admin = dualwrite.create_engine(base)
-    with admin.begin() as conn:
-        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
-    url = normalize_url(base).update_query_dict({"options": f"-csearch_path={schema}"})
-    text = url.render_as_string(hide_password=False)
-    dualwrite.upgrade_database(text)
-    try:
-        yield text
-    finally:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
-        admin.dispose()
+    dualwrite.upgrade_database(empty_db_url)
+    return empty_db_url
 
 
 @pytest.fixture
@@ -67,24 +48,6 @@ def store(engine: sa.Engine) -> StateStore:
 @pytest.fixture
 def kconf(bootstrap: str) -> dict[str, Any]:
     return {"bootstrap.servers": bootstrap}
-
-
-def prepare(bootstrap: str, topic: str, tid: str, values: list[str], *, commit: bool = False,
-            timeout_ms: int = 60_000) -> PreparedTxnState:
-    """Prepare a transaction holding ``values`` (commit it too if asked), then close."""
-    p = TwoPhaseProducer({"bootstrap.servers": bootstrap, "transactional.id": tid,
-                          "linger.ms": 0, "transaction.timeout.ms": timeout_ms}, timeout_s=20)
-    try:
-        p.init_transactions()
-        p.begin_transaction()
-        for v in values:
-            p.produce(topic, v.encode(), key=v.encode())
-        state = p.prepare_transaction()
-        if commit:
-            p.commit_transaction()
-    finally:
-        p.close()
-    return state
 
 
 def decide(store: StateStore, tid: str, state: PreparedTxnState | str) -> None:
@@ -111,7 +74,7 @@ def build_scenario(store: StateStore, bootstrap: str, topic_for: Any, prefix: st
                                         "empty")}
 
     def prep(key: str, values: list[str], commit: bool = False) -> PreparedTxnState:
-        return prepare(bootstrap, topic_for(key), ids[key], values, commit=commit)
+        return prepare_open(bootstrap, topic_for(key), ids[key], values, commit=commit)
 
     decide(store, ids["commit1"], prep("commit1", ["c1a", "c1b"]))
     decide(store, ids["commit2"], prep("commit2", ["c2a"]))
@@ -179,9 +142,9 @@ def test_recover_heuristic_reported_until_acknowledged(engine: sa.Engine, store:
                                                        topic: str) -> None:
     tid = unique("rec-heur")
     ok_tid = unique("rec-fine")
-    state = prepare(bootstrap, topic, tid, ["lost"], timeout_ms=2000)
+    state = prepare_open(bootstrap, topic, tid, ["lost"], timeout_ms=2000)
     decide(store, tid, state)
-    decide(store, ok_tid, prepare(bootstrap, topic, ok_tid, ["fine"]))
+    decide(store, ok_tid, prepare_open(bootstrap, topic, ok_tid, ["fine"]))
     wait_broker_aborted(bootstrap, tid)
 
     for _ in range(2):  # reported every time, state kept for the operator
@@ -209,10 +172,10 @@ def test_status_in_doubt_and_hanging(engine: sa.Engine, store: StateStore, kconf
                                      bootstrap: str, topic: str) -> None:
     prefix = unique("stat")
     doubt, quiet, hanging = f"{prefix}-doubt", f"{prefix}-quiet", f"{prefix}-hanging"
-    state = prepare(bootstrap, topic, doubt, ["s1"])
+    state = prepare_open(bootstrap, topic, doubt, ["s1"])
     decide(store, doubt, state)
     decide(store, quiet, "")
-    prepare(bootstrap, topic, hanging, ["h1"])  # open at the broker, no state row at all
+    prepare_open(bootstrap, topic, hanging, ["h1"])  # open at the broker, no state row at all
 
     report = dualwrite.status(engine, kconf, prefix=prefix, timeout_s=20)
     by_id = {r.transactional_id: r for r in report.rows}

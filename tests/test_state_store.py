@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -43,24 +42,10 @@ pytestmark = pytest.mark.timeout(120)
 HOLD_S = 0.6  # how long the first writer keeps the lock in the concurrency tests
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
-def db_url(request: pytest.FixtureRequest) -> Iterator[str]:
+@pytest.fixture
+def db_url(empty_db_url: str) -> str:
     """URL of an empty database on each backend."""
-    if request.param == "sqlite":
-        yield request.getfixturevalue("sqlite_url")
-        return
-    base: str = request.getfixturevalue("postgres_url")
-    schema = f"dw_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(base)
-    with admin.begin() as conn:
-        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
-    url = normalize_url(base).update_query_dict({"options": f"-csearch_path={schema}"})
-    try:
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
-        admin.dispose()
+    return empty_db_url
 
 
 @pytest.fixture
