@@ -172,7 +172,9 @@ def end_open_transaction(cp: ControlPlane, transactional_id: str, state: Prepare
                          ) -> tuple[Completion | None, TransactionDescription | None]:
     """First half of :func:`complete`: commit the open transaction if ``state`` names it, else
     abort it. Returns ``COMMITTED``, ``ABORTED`` or None (nothing was open), and the last
-    description read."""
+    description read. It returns only once the coordinator finished writing the markers (EndTxn
+    answers while the transaction is still PrepareCommit / PrepareAbort), so a ``status`` right
+    after recovery shows nothing in flight."""
     tid = transactional_id
     for attempt in range(_RACE_ATTEMPTS):
         hint = prefetched if attempt == 0 else None
@@ -183,7 +185,7 @@ def end_open_transaction(cp: ControlPlane, transactional_id: str, state: Prepare
             log.info("commit in-doubt transaction transactional_id=%s producer_id=%d epoch=%d "
                      "state=%s", tid, desc.producer_id, desc.epoch, state)
             cp.end_transaction(tid, desc.producer_id, desc.epoch, commit=True)
-            return Completion.COMMITTED, desc
+            return Completion.COMMITTED, _wait_until_settled(cp, tid, timeout_s, None)
         log.info("abort open transaction not named by the prepared state transactional_id=%s "
                  "producer_id=%d epoch=%d state=%r", tid, desc.producer_id, desc.epoch, str(state))
         try:
@@ -196,7 +198,7 @@ def end_open_transaction(cp: ControlPlane, transactional_id: str, state: Prepare
             log.info("transactional_id=%s changed while aborting (%s); describing again", tid,
                      exc.info.name)
             continue
-        return Completion.ABORTED, desc
+        return Completion.ABORTED, _wait_until_settled(cp, tid, timeout_s, None)
     raise RetriableError(f"transactional id {tid!r} kept changing while being completed; "
                          "is a writer still running? retry recovery")
 
