@@ -14,9 +14,9 @@ Exit codes (stable, for scripts and operators):
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -52,7 +52,6 @@ def _fail(message: str, code: int) -> NoReturn:
 
 def _guarded(fn: F) -> F:
     """Turn dualwrite's exceptions into a message and the documented exit code."""
-    import functools
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -279,5 +278,4 @@ def _attach_dev() -> None:
 _attach_dev()
 
 if __name__ == "__main__":  # pragma: no cover
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()

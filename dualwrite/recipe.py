@@ -152,11 +152,11 @@ class DualWriter:
                 db_tx.rollback()
                 self._abort_quietly(producer)
                 raise
-            self._decide(conn, db_tx, producer, state)
+            self._decide(db_tx, producer, state)
         finally:
             conn.close()
 
-    def _decide(self, conn: Connection, db_tx: sa.RootTransaction, producer: TwoPhaseProducer,
+    def _decide(self, db_tx: sa.RootTransaction, producer: TwoPhaseProducer,
                 state: PreparedTxnState) -> None:
         try:
             db_tx.commit()
