@@ -40,7 +40,14 @@ from dualwrite.errors import (
 from dualwrite.kafka_errors import FatalKafkaError, FencedKafkaError
 from dualwrite.prepared_state import PreparedTxnState
 
-__all__ = ["Completion", "Prefetched", "committed_at_anchor", "complete", "end_open_transaction"]
+__all__ = [
+    "Completion",
+    "Prefetched",
+    "committed_at_anchor",
+    "complete",
+    "end_open_transaction",
+    "prefetch",
+]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +78,19 @@ class Prefetched:
 
     descriptions: Mapping[str, TransactionDescription]
     producers: Mapping[TopicPartition, list[ActiveProducer]]
+
+
+def prefetch(cp: ControlPlane, states: Mapping[str, PreparedTxnState]) -> Prefetched:
+    """One DescribeTransactions per coordinator and one DescribeProducers per anchor leader."""
+    described = cp.describe_transactions(states)
+    anchors = set()
+    for tid, desc in described.items():
+        anchor = states[tid].anchor
+        if anchor is not None and desc.state is TxnState.ONGOING:
+            tp = anchor.resolve(desc.partitions)
+            if tp is not None and tp in desc.partitions:
+                anchors.add(tp)
+    return Prefetched(described, cp.describe_producers(anchors))
 
 
 def _wait_until_settled(cp: ControlPlane, tid: str, timeout_s: float,

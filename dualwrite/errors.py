@@ -125,3 +125,23 @@ class HeuristicAbortError(HeuristicOutcomeError):
         self.transactional_id = transactional_id
         self.state = state
         self.detail = detail
+
+
+class BatchHeuristicAbortError(HeuristicOutcomeError):
+    """A batch sink decided a batch (its SQL rows are published) but Kafka aborted participants.
+
+    Raised with the sink id and batch id so the lost partitions can be re-published; the batch
+    stays in doubt until ``dualwrite recover --acknowledge-heuristic``.
+    """
+
+    def __init__(self, sink_id: str, batch_id: int, causes: list[HeuristicAbortError]) -> None:
+        ids = ", ".join(c.transactional_id for c in causes)
+        super().__init__(
+            f"sink {sink_id!r} batch {batch_id}: the database decided commit but Kafka aborted "
+            f"{len(causes)} participant transaction(s) ({ids}); their records are lost "
+            f"(first cause: {causes[0].detail}). Re-publish batch {batch_id} of those partitions "
+            "from the database, then run `dualwrite recover --acknowledge-heuristic`."
+        )
+        self.sink_id = sink_id
+        self.batch_id = batch_id
+        self.causes = causes

@@ -19,7 +19,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
-from dualwrite.completion import Completion, Prefetched, complete, end_open_transaction
+from dualwrite.completion import Completion, Prefetched, complete, end_open_transaction, prefetch
 from dualwrite.control_plane import ControlPlane, TransactionDescription, TxnState
 from dualwrite.database import create_engine, transaction
 from dualwrite.errors import (
@@ -113,19 +113,6 @@ class RecoveryReport:
         }
 
 
-def _prefetch(cp: ControlPlane, states: Mapping[str, PreparedTxnState]) -> Prefetched:
-    """One DescribeTransactions per coordinator and one DescribeProducers per leader."""
-    described = cp.describe_transactions(states)
-    anchors = set()
-    for tid, desc in described.items():
-        anchor = states[tid].anchor
-        if anchor is not None and desc.state is TxnState.ONGOING:
-            tp = anchor.resolve(desc.partitions)
-            if tp is not None and tp in desc.partitions:
-                anchors.add(tp)
-    return Prefetched(described, cp.describe_producers(anchors))
-
-
 def _resolve_chunk(store: StateStore, engine: Engine, cp: ControlPlane,
                    consumer_config: Mapping[str, Any], ids: Sequence[str],
                    acknowledge_heuristic: bool, timeout_s: float, first_pass: bool,
@@ -148,7 +135,7 @@ def _resolve_chunk(store: StateStore, engine: Engine, cp: ControlPlane,
                     states[tid] = PreparedTxnState.parse(text)
                 except DualWriteError as exc:
                     results[tid] = RecoveryResult(tid, text, Outcome.FAILED, str(exc))
-            prefetched = _prefetch(cp, states)
+            prefetched = prefetch(cp, states)
             for tid, state in states.items():
                 results[tid] = _resolve_one(store, conn, cp, consumer_config, tid, state,
                                             acknowledge_heuristic, timeout_s, prefetched,

@@ -37,6 +37,9 @@ from dualwrite.errors import (
 )
 from dualwrite.state_store import MAX_LENGTH, StateRow, StateStore
 
+#: The newest schema revision (0002 added the batch sinks' decision log).
+HEAD = "0002"
+
 pytestmark = pytest.mark.timeout(120)
 
 HOLD_S = 0.6  # how long the first writer keeps the lock in the concurrency tests
@@ -113,7 +116,8 @@ def test_migrations_are_installed_with_the_package() -> None:
     assert (path / "env.py").is_file()
     assert (path / "script.py.mako").is_file()
     assert any(path.glob("versions/0001_*.py"))
-    assert head_revision() == "0001"
+    assert any(path.glob("versions/0002_*.py"))
+    assert head_revision() == HEAD
 
 
 def test_urls_use_psycopg_and_commands_mask_the_password() -> None:
@@ -129,13 +133,14 @@ def test_urls_use_psycopg_and_commands_mask_the_password() -> None:
 
 def test_upgrade_creates_the_table_and_is_idempotent(engine: sa.Engine) -> None:
     assert current_revision(engine) is None
-    assert upgrade_database(engine) == "0001"
-    assert upgrade_database(engine) == "0001"
-    assert current_revision(engine) == "0001"
+    assert upgrade_database(engine) == HEAD
+    assert upgrade_database(engine) == HEAD
+    assert current_revision(engine) == HEAD
     check_schema(engine)
     inspector = sa.inspect(engine)
     tables = set(inspector.get_table_names())
-    assert {STATE_TABLE, VERSION_TABLE} <= tables
+    assert {STATE_TABLE, VERSION_TABLE, "dualwrite_batch_sink",
+            "dualwrite_batch_participant"} <= tables
     assert "alembic_version" not in tables  # the application's own Alembic stays untouched
     columns = {c["name"]: c for c in inspector.get_columns(STATE_TABLE)}
     assert set(columns) == {"transactional_id", "prepared_txn_state", "updated_at"}
@@ -152,7 +157,7 @@ def test_upgrade_creates_the_table_and_is_idempotent(engine: sa.Engine) -> None:
 
 
 def test_upgrade_from_a_url_string(db_url: str) -> None:
-    assert upgrade_database(db_url) == "0001"
+    assert upgrade_database(db_url) == HEAD
 
 
 def test_concurrent_upgrades_all_succeed(engine: sa.Engine, db_url: str) -> None:
@@ -195,7 +200,7 @@ def test_concurrent_upgrades_all_succeed(engine: sa.Engine, db_url: str) -> None
     for p in procs:
         _, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
-    assert current_revision(engine) == "0001"
+    assert current_revision(engine) == HEAD
 
 
 def test_check_schema_on_an_empty_database_names_the_command(engine: sa.Engine) -> None:

@@ -1,0 +1,284 @@
+"""The driver side of an exactly-once batch sink: decide, commit, recover.
+
+The driver is the external transaction coordinator of each batch. Tasks open one Kafka
+transaction per non-empty partition (the participants) and prepare it; the driver then
+
+1. verifies that every participant is still open under the producer id and epoch it prepared
+   with (a late zombie attempt could have re-initialised the id and aborted it);
+2. records the decision with :class:`~dualwrite.decision_log.DecisionLog` (one database
+   transaction, which also publishes the batch's staged rows);
+3. commits every participant by (producer id, epoch) in parallel, from this process;
+4. marks the batch completed and aborts every other open transaction of the sink (losing task
+   attempts, speculative copies).
+
+At the start of a run, :meth:`BatchCoordinator.recover` commits the participants of a decided but
+not completed batch and aborts everything else the sink left open. Participant transactional ids
+come from a bounded pool: ``<sink>-b<batch parity>-p<partition>-a<attempt>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine
+
+from dualwrite.completion import (
+    Completion,
+    complete,
+    end_open_transaction,
+    names_open_transaction,
+    prefetch,
+)
+from dualwrite.control_plane import ControlPlane, TxnState
+from dualwrite.decision_log import (
+    DecisionLog,
+    Participant,
+    SinkRecord,
+    StagingTable,
+    check_sink_id,
+)
+from dualwrite.errors import (
+    BatchHeuristicAbortError,
+    DualWriteError,
+    HeuristicAbortError,
+    RetriableError,
+)
+from dualwrite.prepared_state import PreparedTxnState
+
+__all__ = ["BatchCoordinator", "BatchTimings", "SinkRecovery", "transactional_id"]
+
+log = logging.getLogger(__name__)
+
+_OPEN_STATES = [TxnState.ONGOING, TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT]
+
+
+def transactional_id(sink_id: str, batch_id: int, partition_id: int, attempt: int) -> str:
+    """The pooled transactional id of one task attempt.
+
+    Batch parity keeps a task of batch N+1 from re-initialising (and so aborting) a participant
+    of batch N that a slow driver has not committed yet; the attempt number keeps retries and
+    speculative copies of one partition from fencing each other.
+    """
+    return f"{sink_id}-b{batch_id % 2}-p{partition_id}-a{attempt}"
+
+
+def _pool_pattern(sink_id: str) -> re.Pattern[str]:
+    return re.compile(re.escape(sink_id) + r"-b[01]-p\d+-a\d+")
+
+
+@dataclass
+class BatchTimings:
+    """Seconds spent in each driver phase of one batch (for logs and the benchmark)."""
+
+    verify_s: float = 0.0
+    decide_s: float = 0.0
+    commit_s: float = 0.0
+    complete_s: float = 0.0
+    sweep_s: float = 0.0
+    aborted: list[str] = field(default_factory=list)
+
+    @property
+    def commit_phase_s(self) -> float:
+        """Decision plus participant commits: the fixed cost the sink adds to a batch."""
+        return self.decide_s + self.commit_s + self.complete_s
+
+
+@dataclass(frozen=True)
+class SinkRecovery:
+    """What :meth:`BatchCoordinator.recover` did at the start of a run."""
+
+    sink_id: str
+    completed_batch: int | None
+    """The decided batch whose participants were committed now, if one was in doubt."""
+    committed: int
+    aborted: tuple[str, ...]
+    purged_rows: int
+
+
+class BatchCoordinator:
+    """Decides and commits one sink's batches; one instance per running query (driver)."""
+
+    def __init__(self, sink_id: str, engine: Engine, kafka_config: Mapping[str, Any], *,
+                 staging: StagingTable | None = None, control_plane: ControlPlane | None = None,
+                 timeout_s: float = 30.0, parallelism: int = 16) -> None:
+        self.sink_id = check_sink_id(sink_id)
+        self.log = DecisionLog(engine)
+        self.staging = staging
+        self._config = dict(kafka_config)
+        self._owns_cp = control_plane is None
+        self.cp = control_plane or ControlPlane(kafka_config, timeout_s=timeout_s)
+        self._timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(parallelism, thread_name_prefix=f"dualwrite-{sink_id}")
+        self._pattern = _pool_pattern(sink_id)
+        self.phase_hook: Callable[[str, int], None] | None = None
+        """Called with ("decided" | "committed-one" | "committed", batch id); fault injection."""
+
+    def _phase(self, name: str, batch_id: int) -> None:
+        if self.phase_hook is not None:
+            self.phase_hook(name, batch_id)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        if self._owns_cp:
+            self.cp.close()
+
+    def __enter__(self) -> BatchCoordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def transactional_id(self, batch_id: int, partition_id: int, attempt: int) -> str:
+        return transactional_id(self.sink_id, batch_id, partition_id, attempt)
+
+    # -- start of a run ------------------------------------------------------------------------
+
+    def recover(self, *, acknowledge_heuristic: bool = False) -> SinkRecovery:
+        """Finish the last decided batch, abort every other open transaction, drop staged rows.
+
+        Raises :class:`BatchHeuristicAbortError` if Kafka aborted a participant of the decided
+        batch (the batch stays in doubt unless ``acknowledge_heuristic``).
+        """
+        record = self.log.read(self.sink_id)
+        completed_batch = None
+        committed = 0
+        if record is not None and record.in_doubt:
+            log.info("sink=%s batch=%d was decided but not completed: committing %d "
+                     "participants", self.sink_id, record.last_batch_id,
+                     len(record.participants))
+            try:
+                committed = self.commit(record.last_batch_id, record.participants)
+            except BatchHeuristicAbortError:
+                if not acknowledge_heuristic:
+                    raise
+                log.warning("sink=%s batch=%d heuristic abort acknowledged", self.sink_id,
+                            record.last_batch_id)
+            self.log.mark_completed(self.sink_id, record.last_batch_id)
+            completed_batch = record.last_batch_id
+        aborted = self.sweep(keep=())
+        purged = self.staging.purge(self.sink_id) if self.staging is not None else 0
+        if aborted or purged:
+            log.info("sink=%s aborted %d lingering transactions, dropped %d staged rows",
+                     self.sink_id, len(aborted), purged)
+        return SinkRecovery(self.sink_id, completed_batch, committed, tuple(aborted), purged)
+
+    def last_decided(self) -> SinkRecord | None:
+        return self.log.read(self.sink_id)
+
+    # -- one batch -----------------------------------------------------------------------------
+
+    def verify(self, participants: Sequence[Participant]) -> None:
+        """Raise :class:`RetriableError` unless every participant is open as it was prepared."""
+        states = {p.transactional_id: p.state for p in participants}
+        if not states:
+            return
+        found = prefetch(self.cp, states)
+        lost = [tid for tid, state in states.items()
+                if (desc := found.descriptions.get(tid)) is None
+                or not names_open_transaction(self.cp, desc, state, found)]
+        if lost:
+            raise RetriableError(
+                f"sink {self.sink_id!r}: participants {lost} are no longer open as prepared "
+                "(re-initialised by a late task attempt, or timed out); the batch was not "
+                "decided and will be written again")
+
+    def decide(self, batch_id: int, participants: Sequence[Participant]) -> bool:
+        """Record the decision; False when ``batch_id`` had been decided before (a replay)."""
+        return self.log.decide(self.sink_id, batch_id, participants, self.staging)
+
+    def commit(self, batch_id: int, participants: Sequence[Participant]) -> int:
+        """Commit every participant in parallel; returns how many were still open.
+
+        A participant that is no longer open under its epoch is checked at its anchor offset:
+        committed before is fine, aborted raises :class:`BatchHeuristicAbortError`.
+        """
+        def one(p: Participant) -> Completion | HeuristicAbortError:
+            outcome = self._commit_one(p)
+            self._phase("committed-one", batch_id)
+            return outcome
+
+        results = list(self._pool.map(one, participants))
+        heuristic = [r for r in results if isinstance(r, HeuristicAbortError)]
+        if heuristic:
+            raise BatchHeuristicAbortError(self.sink_id, batch_id, heuristic)
+        return sum(1 for r in results if r is Completion.COMMITTED)
+
+    def _commit_one(self, p: Participant) -> Completion | HeuristicAbortError:
+        state = p.state
+        try:
+            self.cp.end_transaction(p.transactional_id, state.producer_id, state.epoch,
+                                    commit=True)
+            return Completion.COMMITTED
+        except DualWriteError as exc:
+            # Fenced or invalid state: not open under this epoch any more. Unknown outcome:
+            # never guess. Both are settled by reading the coordinator and the anchor.
+            log.info("sink=%s transactional_id=%s producer_id=%d epoch=%d direct commit "
+                     "failed (%s); completing from the prepared state", self.sink_id,
+                     p.transactional_id, state.producer_id, state.epoch, exc)
+        try:
+            return complete(self.cp, self._config, p.transactional_id, state,
+                            timeout_s=self._timeout_s)
+        except HeuristicAbortError as exc:
+            log.error("sink=%s transactional_id=%s producer_id=%d epoch=%d heuristic abort: %s",
+                      self.sink_id, p.transactional_id, state.producer_id, state.epoch,
+                      exc.detail)
+            return exc
+
+    def complete_batch(self, batch_id: int) -> None:
+        self.log.mark_completed(self.sink_id, batch_id)
+
+    def sweep(self, keep: Sequence[str] | set[str]) -> list[str]:
+        """Abort every open transaction of the sink's id pool except ``keep``."""
+        listed = self.cp.list_transactions(states=_OPEN_STATES, prefix=self.sink_id)
+        lingering = [t.transactional_id for t in listed
+                     if self._pattern.fullmatch(t.transactional_id)
+                     and t.transactional_id not in keep]
+        empty = PreparedTxnState.empty()
+
+        def abort(tid: str) -> str | None:
+            done, _ = end_open_transaction(self.cp, tid, empty, timeout_s=self._timeout_s)
+            if done is Completion.ABORTED:
+                log.info("sink=%s aborted lingering transactional_id=%s", self.sink_id, tid)
+                return tid
+            return None
+
+        return [tid for tid in self._pool.map(abort, lingering) if tid is not None]
+
+    def finish(self, batch_id: int, participants: Sequence[Participant]) -> BatchTimings | None:
+        """Verify, decide, commit, complete, sweep. None if the batch was decided before."""
+        timings = BatchTimings()
+        t0 = time.perf_counter()
+        try:
+            self.verify(participants)
+        except RetriableError:
+            self.sweep(keep=())
+            raise
+        t1 = time.perf_counter()
+        if not self.decide(batch_id, participants):
+            self.sweep(keep=())
+            return None
+        t2 = time.perf_counter()
+        self._phase("decided", batch_id)
+        self.commit(batch_id, participants)
+        t3 = time.perf_counter()
+        self._phase("committed", batch_id)
+        if participants:
+            self.complete_batch(batch_id)
+        t4 = time.perf_counter()
+        timings.aborted = self.sweep(keep={p.transactional_id for p in participants})
+        t5 = time.perf_counter()
+        timings.verify_s, timings.decide_s, timings.commit_s = t1 - t0, t2 - t1, t3 - t2
+        timings.complete_s, timings.sweep_s = t4 - t3, t5 - t4
+        log.info("sink=%s batch=%d committed %d participants (%d records); verify %.0f ms, "
+                 "decide %.0f ms, commit %.0f ms, sweep %.0f ms, aborted %d", self.sink_id,
+                 batch_id, len(participants), sum(p.records for p in participants),
+                 timings.verify_s * 1e3, timings.decide_s * 1e3,
+                 (timings.commit_s + timings.complete_s) * 1e3, timings.sweep_s * 1e3,
+                 len(timings.aborted))
+        return timings

@@ -1,0 +1,341 @@
+"""The database side of a batch sink: the decision log and the staging table.
+
+A batch sink (the Spark ``foreachBatch`` sink) writes each batch to Kafka through several
+participant transactions, one per non-empty partition, and to SQL tables through a staging table.
+The driver then records its decision in one database transaction:
+
+- ``dualwrite_batch_sink``: the sink's last decided batch id and whether its participants were all
+  committed (migration 0002);
+- ``dualwrite_batch_participant``: the prepared state of each participant of that batch;
+- the batch's winning staged rows move into the target table, and staged rows of this and older
+  batches are deleted.
+
+That commit is the decision: a restart (or ``dualwrite recover``) commits the recorded participants
+and aborts every other open transaction of the sink. A batch id at or below the last decided one
+was decided before and is skipped when Spark replays it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import Connection, Engine
+
+from dualwrite.database import transaction
+from dualwrite.errors import FatalError, MigrationRequiredError, TransactionStateError
+from dualwrite.prepared_state import PreparedTxnState
+
+__all__ = [
+    "PARTICIPANT_TABLE",
+    "SINK_TABLE",
+    "DecisionLog",
+    "Participant",
+    "SinkRecord",
+    "StagingTable",
+]
+
+log = logging.getLogger(__name__)
+
+SINK_TABLE = "dualwrite_batch_sink"
+PARTICIPANT_TABLE = "dualwrite_batch_participant"
+#: Longest sink id; transactional ids add a suffix and must stay within 255 characters.
+MAX_SINK_ID = 200
+_SINK_ID = re.compile(r"[A-Za-z0-9._-]{1,200}")
+# Columns the staging table adds to the target's.
+_STAGING_COLUMNS = ("dw_sink_id", "dw_batch_id", "dw_attempt")
+
+
+def check_sink_id(sink_id: str) -> str:
+    """Sink ids become transactional-id prefixes: letters, digits, ``.``, ``_``, ``-`` only."""
+    if not isinstance(sink_id, str) or not _SINK_ID.fullmatch(sink_id):
+        raise ValueError(f"sink id {sink_id!r} must be 1-{MAX_SINK_ID} characters of "
+                         "[A-Za-z0-9._-]")
+    return sink_id
+
+
+@dataclass(frozen=True)
+class Participant:
+    """One partition's prepared Kafka transaction (and staged rows) in a batch."""
+
+    partition_id: int
+    transactional_id: str
+    state: PreparedTxnState
+    records: int
+    attempt_key: str = ""
+    """Tags the attempt's staged rows; only the winning attempt's rows are published."""
+
+
+@dataclass(frozen=True)
+class SinkRecord:
+    """A sink's last decision as the database holds it."""
+
+    sink_id: str
+    last_batch_id: int
+    completed: bool
+    decided_at: datetime
+    completed_at: datetime | None
+    participants: tuple[Participant, ...]
+
+    @property
+    def in_doubt(self) -> bool:
+        """Decided, but not every participant is known to be committed yet."""
+        return not self.completed
+
+
+def _utc(value: datetime) -> datetime:
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+_METADATA = sa.MetaData()
+_SINKS = sa.Table(
+    SINK_TABLE, _METADATA,
+    sa.Column("sink_id", sa.String(MAX_SINK_ID), primary_key=True),
+    sa.Column("last_batch_id", sa.BigInteger, nullable=False),
+    sa.Column("completed", sa.Boolean, nullable=False),
+    sa.Column("decided_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("completed_at", sa.DateTime(timezone=True)),
+)
+_PARTICIPANTS = sa.Table(
+    PARTICIPANT_TABLE, _METADATA,
+    sa.Column("sink_id", sa.String(MAX_SINK_ID), primary_key=True),
+    sa.Column("transactional_id", sa.String(255), primary_key=True),
+    sa.Column("batch_id", sa.BigInteger, nullable=False),
+    sa.Column("partition_id", sa.Integer, nullable=False),
+    sa.Column("prepared_txn_state", sa.String(255), nullable=False),
+    sa.Column("records", sa.BigInteger, nullable=False),
+)
+
+
+def _missing_table(exc: sa.exc.DBAPIError) -> bool:
+    orig = exc.orig
+    return getattr(orig, "sqlstate", None) == "42P01" or "no such table" in str(orig).lower()
+
+
+class DecisionLog:
+    """Reads and writes the batch sinks' decisions."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def _migration_error(self, exc: sa.exc.DBAPIError) -> MigrationRequiredError:
+        return MigrationRequiredError(
+            f"the batch-sink tables are missing ({exc.orig}); run `dualwrite db upgrade --db URL`")
+
+    def read(self, sink_id: str) -> SinkRecord | None:
+        found = self.read_all([sink_id])
+        return found[0] if found else None
+
+    def read_all(self, sink_ids: Sequence[str] | None = None) -> list[SinkRecord]:
+        """Every sink's (or the given sinks') last decision, with its participants."""
+        query = sa.select(_SINKS).order_by(_SINKS.c.sink_id)
+        parts = sa.select(_PARTICIPANTS).order_by(_PARTICIPANTS.c.partition_id)
+        if sink_ids is not None:
+            query = query.where(_SINKS.c.sink_id.in_(list(sink_ids)))
+            parts = parts.where(_PARTICIPANTS.c.sink_id.in_(list(sink_ids)))
+        try:
+            with transaction(self.engine, read_only=True) as conn:
+                sinks = conn.execute(query).all()
+                by_sink: dict[str, list[Participant]] = {}
+                last = {row.sink_id: row.last_batch_id for row in sinks}
+                for p in conn.execute(parts):
+                    if last.get(p.sink_id) == p.batch_id:
+                        by_sink.setdefault(p.sink_id, []).append(Participant(
+                            p.partition_id, p.transactional_id,
+                            PreparedTxnState.parse(p.prepared_txn_state), p.records))
+        except sa.exc.DBAPIError as exc:
+            if _missing_table(exc):
+                raise self._migration_error(exc) from exc
+            raise
+        return [SinkRecord(s.sink_id, s.last_batch_id, s.completed, _utc(s.decided_at),
+                           _utc(s.completed_at) if s.completed_at else None,
+                           tuple(by_sink.get(s.sink_id, ()))) for s in sinks]
+
+    def has_tables(self) -> bool:
+        with transaction(self.engine, read_only=True) as conn:
+            return sa.inspect(conn).has_table(SINK_TABLE)
+
+    def decide(self, sink_id: str, batch_id: int, participants: Sequence[Participant],
+               staging: StagingTable | None = None) -> bool:
+        """Record the decision to commit ``batch_id``; False if it (or a later one) was decided.
+
+        In the same transaction the winning attempts' staged rows are published into the target
+        table and the sink's staged rows of this and older batches are deleted.
+        """
+        now = datetime.now(UTC)
+        try:
+            with transaction(self.engine) as conn:
+                last = self._lock(conn, sink_id)
+                if last is not None and batch_id <= last:
+                    log.info("sink=%s batch=%d was decided before (last decided %d); skipping",
+                             sink_id, batch_id, last)
+                    return False
+                conn.execute(sa.delete(_PARTICIPANTS).where(_PARTICIPANTS.c.sink_id == sink_id))
+                if participants:
+                    conn.execute(sa.insert(_PARTICIPANTS), [
+                        {"sink_id": sink_id, "transactional_id": p.transactional_id,
+                         "batch_id": batch_id, "partition_id": p.partition_id,
+                         "prepared_txn_state": str(p.state), "records": p.records}
+                        for p in participants])
+                if staging is not None:
+                    keys = [p.attempt_key for p in participants if p.attempt_key]
+                    moved = staging.publish(conn, sink_id, batch_id, keys)
+                    log.info("sink=%s batch=%d published %d staged rows into %s", sink_id,
+                             batch_id, moved, staging.target)
+                values = {"last_batch_id": batch_id, "completed": not participants,
+                          "decided_at": now, "completed_at": now if not participants else None}
+                if last is None:
+                    conn.execute(sa.insert(_SINKS).values(sink_id=sink_id, **values))
+                else:
+                    conn.execute(sa.update(_SINKS).where(_SINKS.c.sink_id == sink_id)
+                                 .values(**values))
+        except sa.exc.DBAPIError as exc:
+            if _missing_table(exc):
+                raise self._migration_error(exc) from exc
+            raise
+        return True
+
+    def _lock(self, conn: Connection, sink_id: str) -> int | None:
+        # On SQLite the transaction holds the write lock already (BEGIN IMMEDIATE).
+        query = sa.select(_SINKS.c.last_batch_id).where(_SINKS.c.sink_id == sink_id)
+        if conn.dialect.name == "postgresql":
+            query = query.with_for_update()
+        last: int | None = conn.execute(query).scalar_one_or_none()
+        return last
+
+    def mark_completed(self, sink_id: str, batch_id: int) -> None:
+        """Every participant of ``batch_id`` is committed (no-op if a later batch was decided)."""
+        with transaction(self.engine) as conn:
+            conn.execute(sa.update(_SINKS)
+                         .where(_SINKS.c.sink_id == sink_id, _SINKS.c.last_batch_id == batch_id)
+                         .values(completed=True, completed_at=datetime.now(UTC)))
+
+    def forget(self, sink_id: str) -> None:
+        """Drop a sink's decisions, e.g. before starting it over with a new checkpoint."""
+        with transaction(self.engine) as conn:
+            conn.execute(sa.delete(_PARTICIPANTS).where(_PARTICIPANTS.c.sink_id == sink_id))
+            conn.execute(sa.delete(_SINKS).where(_SINKS.c.sink_id == sink_id))
+
+
+class StagingTable:
+    """``<target>_dw_staging``: the target's columns plus the sink, batch and attempt tags.
+
+    Tasks write their partition's rows here in parallel (COPY on PostgreSQL); the decision
+    transaction moves the winning attempts' rows into the target with one INSERT ... SELECT.
+    """
+
+    def __init__(self, engine: Engine, target: str, columns: Sequence[str] | None = None) -> None:
+        self.engine = engine
+        self.target = target
+        try:
+            target_table = sa.Table(target, sa.MetaData(), autoload_with=engine)
+        except sa.exc.NoSuchTableError as exc:
+            raise FatalError(f"the target table {target!r} does not exist in "
+                             f"{engine.url.render_as_string(hide_password=True)}; create it "
+                             "first") from exc
+        names = list(columns) if columns is not None else [c.name for c in target_table.columns]
+        unknown = [c for c in names if c not in target_table.columns]
+        if unknown or not names:
+            raise FatalError(f"columns {unknown or names} are not columns of {target!r}")
+        clash = [c for c in names if c in _STAGING_COLUMNS]
+        if clash:
+            raise FatalError(f"target columns {clash} clash with the staging tags")
+        self.columns: tuple[str, ...] = tuple(names)
+        self.name = f"{target}_dw_staging"
+        self._target = target_table
+        meta = sa.MetaData()
+        self.table = sa.Table(
+            self.name, meta,
+            *(sa.Column(c, target_table.c[c].type) for c in names),
+            sa.Column("dw_sink_id", sa.String(MAX_SINK_ID), nullable=False),
+            sa.Column("dw_batch_id", sa.BigInteger, nullable=False),
+            sa.Column("dw_attempt", sa.String(64), nullable=False),
+            sa.Index(f"ix_{self.name}_batch", "dw_sink_id", "dw_batch_id", "dw_attempt"),
+        )
+
+    def create(self) -> None:
+        """Create the staging table if it does not exist (idempotent, safe concurrently)."""
+        with transaction(self.engine) as conn:
+            self.table.create(conn, checkfirst=True)
+
+    def write(self, sink_id: str, batch_id: int, attempt_key: str,
+              rows: Iterable[Sequence[Any]]) -> int:
+        """Stage ``rows`` (tuples in :attr:`columns` order) for one task attempt; returns count."""
+        if self.engine.dialect.name == "postgresql":
+            return self._copy(sink_id, batch_id, attempt_key, rows)
+        count = 0
+        insert = sa.insert(self.table)
+        chunk: list[dict[str, Any]] = []
+        with transaction(self.engine) as conn:
+            for row in rows:
+                values = dict(zip(self.columns, row, strict=True))
+                values.update(dw_sink_id=sink_id, dw_batch_id=batch_id, dw_attempt=attempt_key)
+                chunk.append(values)
+                if len(chunk) >= 5000:
+                    conn.execute(insert, chunk)
+                    count += len(chunk)
+                    chunk = []
+            if chunk:
+                conn.execute(insert, chunk)
+                count += len(chunk)
+        return count
+
+    def _copy(self, sink_id: str, batch_id: int, attempt_key: str,
+              rows: Iterable[Sequence[Any]]) -> int:
+        from psycopg import sql
+
+        names = [*self.columns, *_STAGING_COLUMNS]
+        statement = sql.SQL("COPY {} ({}) FROM STDIN").format(
+            sql.Identifier(self.name), sql.SQL(", ").join(map(sql.Identifier, names)))
+        tags = (sink_id, batch_id, attempt_key)
+        count = 0
+        raw = self.engine.raw_connection()
+        try:
+            conn: Any = raw.driver_connection
+            with conn.cursor() as cur, cur.copy(statement) as copy:
+                for row in rows:
+                    copy.write_row((*row, *tags))
+                    count += 1
+            raw.commit()
+        except BaseException:
+            raw.rollback()
+            raise
+        finally:
+            raw.close()
+        return count
+
+    def publish(self, conn: Connection, sink_id: str, batch_id: int,
+                attempt_keys: Sequence[str]) -> int:
+        """In the decision transaction: move the winners' rows, delete the batch's staged rows."""
+        if not conn.in_transaction():
+            raise TransactionStateError("StagingTable.publish() runs inside the decision "
+                                        "transaction")
+        s = self.table.c
+        moved = 0
+        if attempt_keys:
+            select = sa.select(*(s[c] for c in self.columns)).where(
+                s.dw_sink_id == sink_id, s.dw_batch_id == batch_id,
+                s.dw_attempt.in_(list(attempt_keys)))
+            result = conn.execute(sa.insert(self._target).from_select(list(self.columns), select))
+            moved = result.rowcount
+        conn.execute(sa.delete(self.table).where(s.dw_sink_id == sink_id,
+                                                 s.dw_batch_id <= batch_id))
+        return moved
+
+    def purge(self, sink_id: str) -> int:
+        """Delete every staged row of the sink (undecided batches are replayed)."""
+        with transaction(self.engine) as conn:
+            result = conn.execute(sa.delete(self.table).where(self.table.c.dw_sink_id == sink_id))
+        return result.rowcount
+
+    def count(self, sink_id: str | None = None) -> int:
+        query = sa.select(sa.func.count()).select_from(self.table)
+        if sink_id is not None:
+            query = query.where(self.table.c.dw_sink_id == sink_id)
+        with transaction(self.engine, read_only=True) as conn:
+            return int(conn.execute(query).scalar_one())

@@ -1,0 +1,43 @@
+"""Fault injection for the crash tests: pause or fail at named points, driven by an env var.
+
+``DUALWRITE_SPARK_FAULTS`` holds ``;``-separated rules:
+
+- ``pause:<point>:<batch>``: the driver prints ``DUALWRITE-PAUSED <point> <batch>`` and sleeps, so a
+  test can SIGKILL it there. Points: ``prepared``, ``decided``, ``committed-one``, ``committed``.
+- ``fail:<partition>:<attempt>:<batch>``: that task attempt raises after preparing its transaction.
+- ``slow:<partition>:<attempt>:<batch>:<seconds>``: that task attempt sleeps before preparing (a
+  straggler for speculative execution).
+
+Unset in production; reading it costs one dict lookup per point.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+ENV = "DUALWRITE_SPARK_FAULTS"
+
+
+def _rules() -> list[list[str]]:
+    return [rule.split(":") for rule in os.environ.get(ENV, "").split(";") if rule]
+
+
+def driver_point(point: str, batch_id: int) -> None:
+    for rule in _rules():
+        if rule[:3] == ["pause", point, str(batch_id)]:
+            print(f"DUALWRITE-PAUSED {point} {batch_id}", flush=True)
+            sys.stdout.flush()
+            while True:
+                time.sleep(3600)
+
+
+def task_point(point: str, partition_id: int, attempt: int, batch_id: int) -> None:
+    where = [str(partition_id), str(attempt), str(batch_id)]
+    for rule in _rules():
+        if point == "prepared" and rule[0] == "fail" and rule[1:4] == where:
+            raise RuntimeError(f"injected failure of partition {partition_id} attempt {attempt} "
+                               f"batch {batch_id} after prepare")
+        if point == "producing" and rule[0] == "slow" and rule[1:4] == where:
+            time.sleep(float(rule[4]))

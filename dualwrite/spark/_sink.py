@@ -1,0 +1,144 @@
+"""The driver side of the sink: ``df.writeStream.foreachBatch(ExactlyOnceSink(...))``."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+
+from dualwrite.batch_coordinator import BatchCoordinator, BatchTimings, SinkRecovery
+from dualwrite.control_plane import ControlPlane
+from dualwrite.database import create_engine, mask_url, upgrade_database
+from dualwrite.decision_log import Participant, StagingTable, check_sink_id
+from dualwrite.errors import FatalError, RetriableError
+from dualwrite.prepared_state import PreparedTxnState
+from dualwrite.spark import _faults
+from dualwrite.spark._task import KEY, RESULT_SCHEMA, VALUE, TaskPlan, write_partition
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DATABASE_URL = "sqlite:///dualwrite.db"
+
+
+class ExactlyOnceSink:
+    """A ``foreachBatch`` function that writes each micro-batch to Kafka (and SQL) exactly once.
+
+    Each partition of the batch is produced in its own Kafka transaction by the task that holds
+    it and prepared; the driver records the decision (and publishes staged SQL rows) in one
+    database transaction, then commits every participant. A batch id that was decided before is
+    skipped, so replays after a restart write nothing twice.
+
+    Kafka record: ``key_column`` and ``value_column`` (string or binary); without a value column
+    the value is the row as JSON. SQL (optional): ``target_table`` receives ``table_columns``
+    (default: every column of the table) from the batch's rows. ``database_url`` holds the
+    decision log, and the target table; the default is an embedded SQLite file, for local mode.
+    """
+
+    def __init__(self, *, sink_id: str, kafka_config: Mapping[str, Any], topic: str,
+                 database_url: str = DEFAULT_DATABASE_URL, key_column: str | None = None,
+                 value_column: str | None = None, target_table: str | None = None,
+                 table_columns: Sequence[str] | None = None, timeout_s: float = 30.0,
+                 batch_attempts: int = 3, migrate: bool = True) -> None:
+        if "transactional.id" in kafka_config:
+            raise FatalError("ExactlyOnceSink assigns transactional ids itself (a pool per sink); "
+                             "remove 'transactional.id' from kafka_config")
+        self.sink_id = check_sink_id(sink_id)
+        self.topic = topic
+        self.database_url = database_url
+        self.key_column = key_column
+        self.value_column = value_column
+        self.target_table = target_table
+        self._table_columns = tuple(table_columns) if table_columns is not None else None
+        self._kafka_config = dict(kafka_config)
+        self._timeout_s = timeout_s
+        self._batch_attempts = max(1, batch_attempts)
+        self._migrate = migrate
+        self._coordinator: BatchCoordinator | None = None
+        self._start_lock = threading.Lock()
+        self.recovery: SinkRecovery | None = None
+        """What the start of this run recovered."""
+        self.last_timings: BatchTimings | None = None
+        self.on_batch: Callable[[int, BatchTimings | None, int], None] | None = None
+        """Called after each batch with (batch id, timings or None if skipped, records)."""
+
+    def _start(self) -> BatchCoordinator:
+        with self._start_lock:
+            if self._coordinator is not None:
+                return self._coordinator
+            engine = create_engine(self.database_url)
+            if self._migrate:
+                upgrade_database(engine)
+            staging = None
+            if self.target_table is not None:
+                staging = StagingTable(engine, self.target_table, self._table_columns)
+                staging.create()
+                self._table_columns = staging.columns
+            cp = ControlPlane(self._kafka_config, timeout_s=self._timeout_s)
+            if "transaction.timeout.ms" not in self._kafka_config:
+                # Participants must outlive a driver restart: ask for the broker's maximum.
+                probe = cp.probe(check_2pc=False)
+                if probe.max_transaction_timeout_ms:
+                    self._kafka_config["transaction.timeout.ms"] = probe.max_transaction_timeout_ms
+            coordinator = BatchCoordinator(self.sink_id, engine, self._kafka_config,
+                                           staging=staging, control_plane=cp,
+                                           timeout_s=self._timeout_s)
+            coordinator.phase_hook = _faults.driver_point
+            log.info("sink=%s starting on %s: recovering the last run", self.sink_id,
+                     mask_url(engine.url))
+            self.recovery = coordinator.recover()
+            self._coordinator = coordinator
+            return coordinator
+
+    def _prepare(self, df: DataFrame) -> DataFrame:
+        key: Column = F.col(self.key_column) if self.key_column else F.lit(None).cast("binary")
+        if self.value_column:
+            value = F.col(self.value_column)
+        else:
+            value = F.to_json(F.struct(*[F.col(c) for c in df.columns]))
+        table = [F.col(c) for c in (self._table_columns or ())]
+        return df.select(key.alias(KEY), value.alias(VALUE), *table)
+
+    def __call__(self, df: DataFrame, batch_id: int) -> None:
+        coordinator = self._start()
+        record = coordinator.last_decided()
+        if record is not None and batch_id <= record.last_batch_id:
+            log.info("sink=%s batch=%d already decided (last %d): skipping the replay",
+                     self.sink_id, batch_id, record.last_batch_id)
+            if self.on_batch is not None:
+                self.on_batch(batch_id, None, 0)
+            return
+        plan = TaskPlan(self.sink_id, batch_id, self.topic, self._kafka_config,
+                        self.database_url if self.target_table else None, self.target_table,
+                        self._table_columns or (), self._timeout_s)
+        prepared = self._prepare(df)
+        for attempt in range(1, self._batch_attempts + 1):
+            rows = prepared.mapInArrow(functools.partial(write_partition, plan),
+                                       RESULT_SCHEMA).collect()
+            participants = [Participant(r.partition_id, r.transactional_id,
+                                        PreparedTxnState.parse(r.state), r.records,
+                                        r.attempt_key) for r in rows]
+            _faults.driver_point("prepared", batch_id)
+            try:
+                timings = coordinator.finish(batch_id, participants)
+            except RetriableError as exc:
+                if attempt == self._batch_attempts:
+                    raise
+                log.warning("sink=%s batch=%d attempt %d not decided (%s); writing it again",
+                            self.sink_id, batch_id, attempt, exc)
+                continue
+            self.last_timings = timings
+            if self.on_batch is not None:
+                self.on_batch(batch_id, timings, sum(p.records for p in participants))
+            return
+
+    def close(self) -> None:
+        """Release the control-plane client (the query should be stopped first)."""
+        if self._coordinator is not None:
+            self._coordinator.close()
+            self._coordinator.cp.close()
+            self._coordinator = None

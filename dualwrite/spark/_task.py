@@ -1,0 +1,127 @@
+"""The executor side of the sink: one task writes its partition of a batch and prepares.
+
+Runs inside PySpark's Python workers through ``DataFrame.mapInArrow``. Workers are reused across
+tasks, so the control-plane client and database engines are cached per worker process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from pyspark import TaskContext
+from sqlalchemy import Engine
+
+from dualwrite.batch_coordinator import transactional_id
+from dualwrite.control_plane import ControlPlane
+from dualwrite.database import create_engine
+from dualwrite.decision_log import StagingTable
+from dualwrite.producer import TwoPhaseProducer
+from dualwrite.spark import _faults
+
+log = logging.getLogger(__name__)
+
+KEY = "__dw_key"
+VALUE = "__dw_value"
+RESULT_SCHEMA = ("partition_id int, transactional_id string, state string, records long, "
+                 "attempt_key string")
+
+_lock = threading.Lock()
+_control_planes: dict[tuple[tuple[str, str], ...], ControlPlane] = {}
+_staging: dict[tuple[str, str, tuple[str, ...]], StagingTable] = {}
+_engines: dict[str, Engine] = {}
+
+
+@dataclass(frozen=True)
+class TaskPlan:
+    """Everything a task needs, pickled to the executors with the function."""
+
+    sink_id: str
+    batch_id: int
+    topic: str
+    producer_config: Mapping[str, Any]
+    database_url: str | None = None
+    target_table: str | None = None
+    table_columns: tuple[str, ...] = ()
+    timeout_s: float = 30.0
+
+
+def _control_plane(config: Mapping[str, Any], timeout_s: float) -> ControlPlane:
+    key = tuple(sorted((k, str(v)) for k, v in config.items()))
+    with _lock:
+        cp = _control_planes.get(key)
+        if cp is None:
+            cp = _control_planes[key] = ControlPlane(config, timeout_s=timeout_s)
+        return cp
+
+
+def _staging_table(plan: TaskPlan) -> StagingTable:
+    assert plan.database_url is not None and plan.target_table is not None
+    key = (plan.database_url, plan.target_table, plan.table_columns)
+    with _lock:
+        table = _staging.get(key)
+        if table is None:
+            engine = _engines.get(plan.database_url)
+            if engine is None:
+                engine = _engines[plan.database_url] = create_engine(plan.database_url)
+            table = _staging[key] = StagingTable(engine, plan.target_table, plan.table_columns)
+        return table
+
+
+def _as_bytes(values: list[Any]) -> list[bytes | None]:
+    return [v.encode() if isinstance(v, str) else v for v in values]
+
+
+def write_partition(plan: TaskPlan, batches: Iterator[pa.RecordBatch]
+                    ) -> Iterator[pa.RecordBatch]:
+    """Produce (and stage) this partition's rows in one transaction, prepare, report the state.
+
+    A partition without rows opens no transaction and reports nothing.
+    """
+    ctx = TaskContext.get()
+    assert ctx is not None, "write_partition runs inside a Spark task"
+    partition_id, attempt = ctx.partitionId(), ctx.attemptNumber()
+    staging = _staging_table(plan) if plan.target_table is not None else None
+    tid = transactional_id(plan.sink_id, plan.batch_id, partition_id, attempt)
+    attempt_key = uuid.uuid4().hex
+    producer: TwoPhaseProducer | None = None
+    records = 0
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        if producer is None:
+            config = {**plan.producer_config, "transactional.id": tid}
+            producer = TwoPhaseProducer(config, timeout_s=plan.timeout_s,
+                                        control_plane=_control_plane(config, plan.timeout_s))
+            producer.init_transactions()
+            producer.begin_transaction()
+            _faults.task_point("producing", partition_id, attempt, plan.batch_id)
+        keys = _as_bytes(batch.column(KEY).to_pylist())
+        values = _as_bytes(batch.column(VALUE).to_pylist())
+        produce = producer.produce
+        for key, value in zip(keys, values, strict=True):
+            produce(plan.topic, value, key)
+        if staging is not None:
+            columns = [batch.column(c).to_pylist() for c in plan.table_columns]
+            staging.write(plan.sink_id, plan.batch_id, attempt_key, zip(*columns, strict=True))
+        records += batch.num_rows
+    if producer is None:
+        return
+    state = producer.prepare_transaction()
+    producer.close()  # drops the handle; the transaction stays open for the driver
+    _faults.task_point("prepared", partition_id, attempt, plan.batch_id)
+    log.info("sink=%s batch=%d partition=%d attempt=%d prepared transactional_id=%s state=%s "
+             "records=%d", plan.sink_id, plan.batch_id, partition_id, attempt, tid, state,
+             records)
+    yield pa.RecordBatch.from_pydict({
+        "partition_id": pa.array([partition_id], pa.int32()),
+        "transactional_id": [tid],
+        "state": [str(state)],
+        "records": pa.array([records], pa.int64()),
+        "attempt_key": [attempt_key if staging is not None else ""],
+    })
