@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: installs what dualwrite needs, then runs it.
-#   ./run.sh demo     start a local Kafka, write orders + events atomically, crash, recover, verify
-#   ./run.sh test     the test suite (real Kafka 4.3.1 and 3.9.x, real PostgreSQL, SQLite)
-#   ./run.sh lint     ruff + mypy --strict
-#   ./run.sh bench    benchmarks (bench/)
+#   ./run.sh demo         Spark pipeline -> orders table + topic exactly once: SIGKILL, restart, verify
+#   ./run.sh demo-orders  order service (DualWriter): atomic row + event, crash, recover, verify
+#   ./run.sh test         the test suite (real Kafka 4.3.1 and 3.9.x, real PostgreSQL, SQLite)
+#   ./run.sh lint         ruff + mypy --strict
+#   ./run.sh bench        benchmarks (bench/)
 # Extra arguments go to the underlying command (e.g. ./run.sh test -k crash, ./run.sh test --soak).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -31,10 +32,10 @@ install_python() {
     if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt constraints.txt ]; then
         return 0
     fi
-    say "creating $VENV and installing dualwrite[dev] (pinned by constraints.txt)"
+    say "creating $VENV and installing dualwrite[dev,spark] (pinned by constraints.txt)"
     python3 -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev]"
+    "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev,spark]"
     touch "$stamp"
 }
 
@@ -42,6 +43,9 @@ cmd=${1:-help}
 shift || true
 case "$cmd" in
     demo)
+        install_system_packages; install_python
+        exec "$VENV/bin/python" spark/demo.py "$@" ;;
+    demo-orders)
         install_system_packages; install_python
         exec "$VENV/bin/python" examples/demo.py "$@" ;;
     test)
@@ -53,8 +57,12 @@ case "$cmd" in
         exec "$VENV/bin/mypy" --strict dualwrite ;;
     bench)
         install_system_packages; install_python
+        if [ "${1:-}" = spark ]; then
+            shift
+            exec "$VENV/bin/python" bench/bench_spark.py "$@"
+        fi
         exec "$VENV/bin/python" bench/bench_dual_write.py "$@" ;;
     *)
-        sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'
         [ "$cmd" = help ] || exit 2 ;;
 esac

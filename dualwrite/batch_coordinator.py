@@ -117,7 +117,8 @@ class BatchCoordinator:
         self._pool = ThreadPoolExecutor(parallelism, thread_name_prefix=f"dualwrite-{sink_id}")
         self._pattern = _pool_pattern(sink_id)
         self.phase_hook: Callable[[str, int], None] | None = None
-        """Called with ("decided" | "committed-one" | "committed", batch id); fault injection."""
+        """Called with a phase ("decided", "committed-one", "committed", "completed") and the batch
+        id; the crash tests pause the driver there."""
 
     def _phase(self, name: str, batch_id: int) -> None:
         if self.phase_hook is not None:
@@ -148,10 +149,15 @@ class BatchCoordinator:
         record = self.log.read(self.sink_id)
         completed_batch = None
         committed = 0
+        aborted: list[str] = []
         if record is not None and record.in_doubt:
             log.info("sink=%s batch=%d was decided but not completed: committing %d "
                      "participants", self.sink_id, record.last_batch_id,
                      len(record.participants))
+            # Abort the others first: one that began earlier on a participant's partition holds
+            # the stable offset below its anchor, where the check of a participant that is no
+            # longer open would wait in vain (OutcomeUnknownError on every restart).
+            aborted = self.sweep(keep={p.transactional_id for p in record.participants})
             try:
                 committed = self.commit(record.last_batch_id, record.participants)
             except BatchHeuristicAbortError:
@@ -161,7 +167,7 @@ class BatchCoordinator:
                             record.last_batch_id)
             self.log.mark_completed(self.sink_id, record.last_batch_id)
             completed_batch = record.last_batch_id
-        aborted = self.sweep(keep=())
+        aborted += self.sweep(keep=())
         purged = self.staging.purge(self.sink_id) if self.staging is not None else 0
         if aborted or purged:
             log.info("sink=%s aborted %d lingering transactions, dropped %d staged rows",
@@ -193,34 +199,46 @@ class BatchCoordinator:
         return self.log.decide(self.sink_id, batch_id, participants, self.staging)
 
     def commit(self, batch_id: int, participants: Sequence[Participant]) -> int:
-        """Commit every participant in parallel; returns how many were still open.
+        """Commit every participant in parallel; returns how many are committed.
 
         A participant that is no longer open under its epoch is checked at its anchor offset:
         committed before is fine, aborted raises :class:`BatchHeuristicAbortError`.
         """
-        def one(p: Participant) -> Completion | HeuristicAbortError:
-            outcome = self._commit_one(p)
+        def direct(p: Participant) -> bool:
+            done = self._commit_direct(p)
             self._phase("committed-one", batch_id)
-            return outcome
+            return done
 
-        results = list(self._pool.map(one, participants))
+        committed = list(self._pool.map(direct, participants))
+        unsettled = [p for p, done in zip(participants, committed, strict=True) if not done]
+        if not unsettled:
+            return len(participants)
+        # An open loser on a participant's partition holds the stable offset below the anchor
+        # that the check has to read: abort the losers first.
+        self.sweep(keep={p.transactional_id for p in participants})
+        results = list(self._pool.map(self._complete, unsettled))
         heuristic = [r for r in results if isinstance(r, HeuristicAbortError)]
         if heuristic:
             raise BatchHeuristicAbortError(self.sink_id, batch_id, heuristic)
-        return sum(1 for r in results if r is Completion.COMMITTED)
+        return sum(committed) + sum(1 for r in results if r is Completion.COMMITTED)
 
-    def _commit_one(self, p: Participant) -> Completion | HeuristicAbortError:
+    def _commit_direct(self, p: Participant) -> bool:
+        """EndTxn(commit) by the prepared producer id and epoch; False if that did not settle it."""
         state = p.state
         try:
             self.cp.end_transaction(p.transactional_id, state.producer_id, state.epoch,
                                     commit=True)
-            return Completion.COMMITTED
+            return True
         except DualWriteError as exc:
             # Fenced or invalid state: not open under this epoch any more. Unknown outcome:
             # never guess. Both are settled by reading the coordinator and the anchor.
             log.info("sink=%s transactional_id=%s producer_id=%d epoch=%d direct commit "
                      "failed (%s); completing from the prepared state", self.sink_id,
                      p.transactional_id, state.producer_id, state.epoch, exc)
+            return False
+
+    def _complete(self, p: Participant) -> Completion | HeuristicAbortError:
+        state = p.state
         try:
             return complete(self.cp, self._config, p.transactional_id, state,
                             timeout_s=self._timeout_s)
@@ -264,6 +282,8 @@ class BatchCoordinator:
             self.sweep(keep=())
             return None
         t2 = time.perf_counter()
+        log.info("sink=%s batch=%d decided participants=%s", self.sink_id, batch_id,
+                 ",".join(p.transactional_id for p in participants) or "-")
         self._phase("decided", batch_id)
         self.commit(batch_id, participants)
         t3 = time.perf_counter()
@@ -271,6 +291,7 @@ class BatchCoordinator:
         if participants:
             self.complete_batch(batch_id)
         t4 = time.perf_counter()
+        self._phase("completed", batch_id)
         timings.aborted = self.sweep(keep={p.transactional_id for p in participants})
         t5 = time.perf_counter()
         timings.verify_s, timings.decide_s, timings.commit_s = t1 - t0, t2 - t1, t3 - t2

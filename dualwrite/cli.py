@@ -25,15 +25,16 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from dualwrite.client_config import load_properties
-from dualwrite.control_plane import ControlPlane
+from dualwrite.control_plane import ControlPlane, TransactionDescription
 from dualwrite.database import create_engine, mask_url, upgrade_database
+from dualwrite.decision_log import check_sink_id
 from dualwrite.errors import (
     BrokerUnreachableError,
     DatabaseUnreachableError,
     DualWriteError,
     HeuristicOutcomeError,
 )
-from dualwrite.recovery import RecoveryResult, recover, status
+from dualwrite.recovery import RecoveryResult, SinkRecoveryResult, recover, status
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -75,6 +76,14 @@ def _kafka_config(bootstrap: str | None, properties: str | None) -> dict[str, An
         _fail("no Kafka cluster given: pass --bootstrap-servers, a --kafka-properties file with "
               "bootstrap.servers, or set DUALWRITE_BOOTSTRAP_SERVERS", EXIT_USAGE)
     return config
+
+
+def _check_sink_ids(_ctx: click.Context, _param: click.Parameter,
+                    value: tuple[str, ...]) -> tuple[str, ...]:
+    try:
+        return tuple(check_sink_id(v) for v in value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
 
 
 def kafka_options(fn: F) -> F:
@@ -149,22 +158,32 @@ def probe(bootstrap_servers: str | None, kafka_properties: str | None, timeout_s
 @timeout_option
 @click.option("--transactional-id", "-t", "transactional_ids", multiple=True,
               help="Only these ids (repeatable); default: every id in the state table.")
+@click.option("--sink", "-s", "sink_ids", multiple=True, callback=_check_sink_ids,
+              help="Only these batch sinks (repeatable); default: every sink in the decision "
+              "log, or none when -t is given.")
 @click.option("--parallelism", type=click.IntRange(1, 64), default=8, show_default=True)
 @click.option("--acknowledge-heuristic", is_flag=True,
-              help="Clear heuristic-abort states after you re-published their records.")
+              help="Clear heuristic-abort states (and complete a batch sink's heuristic "
+              "batch) after you re-published their records.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @_guarded
 def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties: str | None,
-                    timeout_s: float, transactional_ids: tuple[str, ...], parallelism: int,
-                    acknowledge_heuristic: bool, as_json: bool) -> None:
+                    timeout_s: float, transactional_ids: tuple[str, ...],
+                    sink_ids: tuple[str, ...], parallelism: int, acknowledge_heuristic: bool,
+                    as_json: bool) -> None:
     """Commit or abort every in-doubt transaction, as the database decided.
 
+    Batch sinks (the Spark sink): commits the participants of a decided, not completed batch
+    and aborts every other open transaction of the sink's id pool. Run it while the sink's
+    query is stopped (a running sink recovers itself when it starts).
+
     Exit 0 when all are resolved, 3 on a heuristic outcome, 4 when Kafka or the database
-    cannot be reached, 5 when some ids are still unresolved.
+    cannot be reached, 5 when some ids or sinks are still unresolved.
     """
     config = _kafka_config(bootstrap_servers, kafka_properties)
     engine = create_engine(db_url)
     ids = list(transactional_ids) or None
+    sinks = list(sink_ids) or None
     show_bar = not as_json and sys.stderr.isatty()
     bar_ctx = click.progressbar(length=len(ids) if ids else 0, label="recovering",
                                 file=sys.stderr) if show_bar and ids else None
@@ -173,8 +192,9 @@ def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties
         if bar_ctx is not None:
             bar_ctx.update(1)
 
-    report = recover(engine, config, ids, parallelism=parallelism, timeout_s=timeout_s,
-                     acknowledge_heuristic=acknowledge_heuristic, progress=progress)
+    report = recover(engine, config, ids, sink_ids=sinks, parallelism=parallelism,
+                     timeout_s=timeout_s, acknowledge_heuristic=acknowledge_heuristic,
+                     progress=progress)
     if bar_ctx is not None:
         bar_ctx.render_finish()
     if as_json:
@@ -183,27 +203,48 @@ def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties
         for r in report.results:
             line = f"{r.transactional_id}: {r.outcome.value}"
             click.echo(line + (f" — {r.detail}" if r.detail else ""))
+        for s in report.sinks:
+            click.echo(_sink_line(s))
         counts = ", ".join(f"{k}={v}" for k, v in report.as_dict()["counts"].items())
-        click.echo(f"{len(report.results)} transactional ids in {report.elapsed_s:.2f} s"
-                   + (f": {counts}" if counts else ""))
-    if report.heuristic:
+        click.echo(f"{len(report.results)} transactional ids"
+                   + (f", {len(report.sinks)} batch sinks" if report.sinks else "")
+                   + f" in {report.elapsed_s:.2f} s" + (f": {counts}" if counts else ""))
+    for s in report.heuristic_sinks:
+        click.echo(f"error: {s.detail}", err=True)
+    if report.heuristic or report.heuristic_sinks:
         sys.exit(EXIT_HEURISTIC)
-    if any(r.unreachable for r in report.failed):
+    if any(r.unreachable for r in report.failed) \
+            or any(s.unreachable for s in report.failed_sinks):
         sys.exit(EXIT_UNREACHABLE)
-    if report.failed:
+    if report.failed or report.failed_sinks:
         sys.exit(EXIT_UNRESOLVED)
+
+
+def _sink_line(s: SinkRecoveryResult) -> str:
+    batch = f"batch {s.batch_id}" if s.batch_id is not None else "no decided batch"
+    line = f"sink {s.sink_id} {batch}: {s.outcome.value}"
+    done = []
+    if s.committed:
+        done.append(f"committed {s.committed} participants")
+    if s.aborted:
+        done.append(f"aborted {len(s.aborted)} lingering ({', '.join(s.aborted)})")
+    if done:
+        line += f" ({'; '.join(done)})"
+    return line + (f" — {s.detail}" if s.detail else "")
 
 
 @main.command(name="status")
 @db_option
 @kafka_options
 @timeout_option
-@click.option("--prefix", help="Look for hanging transactions only among ids with this prefix.")
+@click.option("--prefix", help="Look for hanging transactions only among ids with this prefix "
+              "(batch sinks are always shown).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_guarded
 def status_command(db_url: str, bootstrap_servers: str | None, kafka_properties: str | None,
                    timeout_s: float, prefix: str | None, as_json: bool) -> None:
-    """In-doubt transactions (state table joined with the brokers' view) and hanging ones."""
+    """In-doubt transactions (state table joined with the brokers' view), batch sinks' last
+    batches with their participants and lingering transactions, and hanging transactions."""
     config = _kafka_config(bootstrap_servers, kafka_properties)
     report = status(create_engine(db_url), config, prefix=prefix, timeout_s=timeout_s)
     if as_json:
@@ -221,10 +262,29 @@ def status_command(db_url: str, bootstrap_servers: str | None, kafka_properties:
     if report.hanging:
         click.echo("hanging (open at the broker, no state row):")
         for h in report.hanging:
-            click.echo(f"  {h.transactional_id} producer_id={h.producer_id} epoch={h.epoch} "
-                       f"{h.state.value} open for {(h.open_for_ms() or 0) / 1000:.1f}s")
+            click.echo(f"  {_open_txn(h)}")
     else:
         click.echo("hanging: none")
+    if report.sinks:
+        doubt = sum(1 for s in report.sinks if s.in_doubt)
+        click.echo(f"batch sinks: {len(report.sinks)}, batches in doubt: {doubt}")
+    for s in report.sinks:
+        state = "in doubt" if s.in_doubt else "completed"
+        click.echo(f"  sink {s.sink_id}: batch {s.last_batch_id} {state}, decided "
+                   f"{s.decided_age_s():.1f}s ago, {len(s.participants)} participants")
+        for p in s.participants:
+            b = p.broker
+            opened = b.open_for_ms() if b is not None else None
+            shown = f"{opened / 1000:.1f}s" if opened is not None else "-"
+            click.echo(f"    p{p.partition_id} {p.transactional_id:<40} "
+                       f"{(b.state.value if b else 'unknown'):<15} {shown:>10}  {p.state}")
+        for d in s.lingering:
+            click.echo(f"    lingering: {_open_txn(d)}")
+
+
+def _open_txn(d: TransactionDescription) -> str:
+    return (f"{d.transactional_id} producer_id={d.producer_id} epoch={d.epoch} "
+            f"{d.state.value} open for {(d.open_for_ms() or 0) / 1000:.1f}s")
 
 
 @main.command(name="force-terminate")

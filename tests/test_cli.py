@@ -18,6 +18,8 @@ import pytest
 
 import dualwrite
 from dualwrite import ControlPlane, StateStore, TwoPhaseProducer, TxnState
+from dualwrite.batch_coordinator import BatchCoordinator
+from dualwrite.decision_log import DecisionLog, Participant
 from tests._kafka_helpers import closed_port, prepare_open, read_committed, unique, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -199,3 +201,100 @@ def test_malformed_state_row_exit_5(db: str, store: StateStore, bootstrap: str) 
     assert repr(bad) in entry["detail"]
     row = store.read(tid)
     assert row is not None and row.prepared_txn_state == bad  # left alone for a human
+
+
+def _participant(bootstrap: str, coordinator: BatchCoordinator, topic: str, batch: int,
+                 partition: int, attempt: int, value: str) -> Participant:
+    """A task attempt of a batch sink: prepared, then dropped (its transaction stays open)."""
+    tid = coordinator.transactional_id(batch, partition, attempt)
+    p = TwoPhaseProducer({"bootstrap.servers": bootstrap, "transactional.id": tid,
+                          "linger.ms": 0, "transaction.timeout.ms": 600_000},
+                         control_plane=coordinator.cp, timeout_s=20)
+    try:
+        p.init_transactions()
+        p.begin_transaction()
+        p.produce(topic, value.encode(), partition=partition)
+        state = p.prepare_transaction()
+    finally:
+        p.close()
+    return Participant(partition, tid, state, 1)
+
+
+def test_recover_batch_sink_heuristic_exit_3(db: str, bootstrap: str, topic: str) -> None:
+    sink = unique("cli-sink")
+    engine = dualwrite.create_engine(db)
+    try:
+        with BatchCoordinator(sink, engine, {"bootstrap.servers": bootstrap},
+                              timeout_s=20) as coord:
+            parts = [_participant(bootstrap, coord, topic, 8, p, 0, f"p{p}") for p in (0, 1)]
+            assert coord.decide(8, parts)  # the driver decided, then died
+            lost = parts[1]
+            coord.cp.end_transaction(lost.transactional_id, lost.state.producer_id,
+                                     lost.state.epoch, commit=False)  # Kafka aborted it
+        result = dw("recover", "--db", db, "-b", bootstrap)
+        assert result.returncode == 3, (result.stdout, result.stderr)
+        assert f"sink {sink} batch 8: heuristic-abort" in result.stdout
+        assert repr(sink) in result.stderr and "batch 8" in result.stderr
+        assert lost.transactional_id in result.stderr and "Traceback" not in result.stderr
+        record = DecisionLog(engine).read(sink)
+        assert record is not None and record.in_doubt
+        assert read_committed(bootstrap, topic) == [b"p0"]
+
+        acked = dw("recover", "--db", db, "-b", bootstrap, "--acknowledge-heuristic", "--json")
+        assert acked.returncode == 0, (acked.stdout, acked.stderr)
+        [entry] = json.loads(acked.stdout)["sinks"]
+        assert (entry["sink_id"], entry["batch_id"], entry["outcome"]) == (
+            sink, 8, "heuristic-acknowledged")
+        record = DecisionLog(engine).read(sink)
+        assert record is not None and record.completed
+        again = dw("recover", "--db", db, "-b", bootstrap)
+        assert again.returncode == 0, again.stderr
+        assert f"sink {sink} batch 8: nothing-to-do" in again.stdout
+    finally:
+        engine.dispose()
+
+
+def test_status_and_recover_batch_sink(db: str, bootstrap: str, topic: str) -> None:
+    sink = unique("cli-sink")
+    engine = dualwrite.create_engine(db)
+    try:
+        with BatchCoordinator(sink, engine, {"bootstrap.servers": bootstrap},
+                              timeout_s=20) as coord:
+            parts = [_participant(bootstrap, coord, topic, 3, p, 0, f"p{p}") for p in (0, 1)]
+            loser = _participant(bootstrap, coord, topic, 3, 0, 1, "loser")
+            assert coord.decide(3, parts)  # the driver died before committing
+        as_json = dw("status", "--db", db, "-b", bootstrap, "--prefix", sink, "--json")
+        assert as_json.returncode == 0, as_json.stderr
+        report = json.loads(as_json.stdout)
+        [entry] = report["sinks"]
+        assert entry["sink_id"] == sink and entry["last_batch_id"] == 3
+        assert entry["in_doubt"] is True and entry["decided_age_s"] >= 0
+        assert [(p["transactional_id"], p["broker"]["state"], p["open_as_prepared"])
+                for p in entry["participants"]] == [
+            (p.transactional_id, "Ongoing", True) for p in parts]
+        assert [d["transactional_id"] for d in entry["lingering"]] == [loser.transactional_id]
+        assert entry["lingering"][0]["state"] == "Ongoing"
+        assert report["hanging"] == []  # the loser is attributed to its sink
+        text = dw("status", "--db", db, "-b", bootstrap, "--prefix", sink)
+        assert text.returncode == 0, text.stderr
+        assert f"sink {sink}: batch 3 in doubt" in text.stdout
+        assert f"lingering: {loser.transactional_id}" in text.stdout
+        assert "batches in doubt: 1" in text.stdout and "hanging: none" in text.stdout
+
+        assert dw("recover", "--db", db, "-b", bootstrap, "--sink", "not a sink id").returncode \
+            == 2
+        only_ids = dw("recover", "--db", db, "-b", bootstrap, "-t", unique("cli-other"),
+                      "--json")
+        assert only_ids.returncode == 0 and json.loads(only_ids.stdout)["sinks"] == []
+        result = dw("recover", "--db", db, "-b", bootstrap, "--sink", sink, "--json")
+        assert result.returncode == 0, (result.stdout, result.stderr)
+        [done] = json.loads(result.stdout)["sinks"]
+        assert (done["batch_id"], done["was_in_doubt"], done["outcome"]) == (3, True,
+                                                                            "committed")
+        assert done["aborted"] == [loser.transactional_id]
+        assert read_committed(bootstrap, topic) == [b"p0", b"p1"]
+        after = json.loads(dw("status", "--db", db, "-b", bootstrap, "--json").stdout)
+        [entry] = after["sinks"]
+        assert entry["in_doubt"] is False and entry["lingering"] == []
+    finally:
+        engine.dispose()

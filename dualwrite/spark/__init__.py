@@ -1,7 +1,7 @@
 """Exactly-once Spark Structured Streaming sinks for Kafka and SQL (needs ``dualwrite[spark]``).
 
 ``df.writeStream.foreachBatch(ExactlyOnceSink(sink_id=..., kafka_config=..., topic=...))`` writes
-each micro-batch to a Kafka topic (and optionally a SQL table) exactly once; see docs/spark.md.
+each micro-batch to a Kafka topic (and optionally a SQL table) exactly once; see spark/README.md.
 """
 
 from dualwrite.batch_coordinator import BatchTimings, SinkRecovery

@@ -3,7 +3,8 @@
 ``DUALWRITE_SPARK_FAULTS`` holds ``;``-separated rules:
 
 - ``pause:<point>:<batch>``: the driver prints ``DUALWRITE-PAUSED <point> <batch>`` and sleeps, so a
-  test can SIGKILL it there. Points: ``prepared``, ``decided``, ``committed-one``, ``committed``.
+  test can SIGKILL it there. Points: ``prepared``, ``decided``, ``committed-one``, ``committed``,
+  ``completed``.
 - ``fail:<partition>:<attempt>:<batch>``: that task attempt raises after preparing its transaction.
 - ``slow:<partition>:<attempt>:<batch>:<seconds>``: that task attempt sleeps before preparing (a
   straggler for speculative execution).

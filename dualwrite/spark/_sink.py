@@ -15,7 +15,7 @@ from dualwrite.batch_coordinator import BatchCoordinator, BatchTimings, SinkReco
 from dualwrite.control_plane import ControlPlane
 from dualwrite.database import create_engine, mask_url, upgrade_database
 from dualwrite.decision_log import Participant, StagingTable, check_sink_id
-from dualwrite.errors import FatalError, RetriableError
+from dualwrite.errors import DualWriteError, FatalError, RetriableError
 from dualwrite.prepared_state import PreparedTxnState
 from dualwrite.spark import _faults
 from dualwrite.spark._task import KEY, RESULT_SCHEMA, VALUE, TaskPlan, write_partition
@@ -137,8 +137,19 @@ class ExactlyOnceSink:
             return
 
     def close(self) -> None:
-        """Release the control-plane client (the query should be stopped first)."""
+        """Abort what losing task attempts left open, release the clients.
+
+        Call it after the query stopped: a killed straggler can still prepare a transaction
+        for a moment after its batch was committed (PySpark kills its worker after
+        ``spark.python.task.killTimeout``), and an open transaction stalls read_committed
+        consumers of its partitions until it is aborted.
+        """
         if self._coordinator is not None:
+            try:
+                self._coordinator.sweep(keep=())
+            except DualWriteError as exc:
+                log.warning("sink=%s could not abort lingering transactions on close (%s); "
+                            "the next run or `dualwrite recover` will", self.sink_id, exc)
             self._coordinator.close()
             self._coordinator.cp.close()
             self._coordinator = None

@@ -1,0 +1,89 @@
+"""A Spark Structured Streaming query through ExactlyOnceSink, run as a process the tests kill.
+
+The source is a directory of JSON files, one file per micro-batch (``maxFilesPerTrigger=1``), so the
+set of events is known and a replayed batch re-reads the same file. The query runs with
+``availableNow`` and exits 0 once every file is processed. Faults come from
+``DUALWRITE_SPARK_FAULTS`` (see dualwrite/spark/_faults.py).
+
+    python spark_worker.py --bootstrap B --db URL --topic T --sink-id S --source DIR \
+        --checkpoint DIR [--partitions N] [--kafka-only] [--master local[2]] [--conf k=v ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bootstrap", required=True)
+    parser.add_argument("--db", required=True)
+    parser.add_argument("--topic", required=True)
+    parser.add_argument("--sink-id", required=True)
+    parser.add_argument("--source", required=True)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--kafka-only", action="store_true")
+    parser.add_argument("--master", default="local[2,4]")
+    parser.add_argument("--txn-timeout-ms", type=int)
+    parser.add_argument("--conf", action="append", default=[])
+    args = parser.parse_args()
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for noisy in ("py4j", "kafka", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+
+    from pyspark.sql import SparkSession
+    from pyspark.sql import functions as F
+
+    from dualwrite.spark import ExactlyOnceSink
+
+    builder = (SparkSession.builder.master(args.master).appName(args.sink_id)
+               .config("spark.ui.enabled", "false")
+               .config("spark.sql.shuffle.partitions", str(args.partitions))
+               .config("spark.pyspark.python", sys.executable))
+    faults = os.environ.get("DUALWRITE_SPARK_FAULTS")
+    if faults:  # executors of a standalone cluster do not inherit the driver's environment
+        builder = builder.config("spark.executorEnv.DUALWRITE_SPARK_FAULTS", faults)
+    for item in args.conf:
+        key, _, value = item.partition("=")
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+
+    kafka_config: dict[str, object] = {"bootstrap.servers": args.bootstrap}
+    if args.txn_timeout_ms:
+        kafka_config["transaction.timeout.ms"] = args.txn_timeout_ms
+    sink = ExactlyOnceSink(
+        sink_id=args.sink_id, kafka_config=kafka_config, topic=args.topic,
+        database_url=args.db, key_column="key",
+        target_table=None if args.kafka_only else "events",
+        table_columns=None if args.kafka_only else ["event_id", "payload"])
+
+    def report(batch_id: int, timings: object, records: int) -> None:
+        print(f"BATCH {batch_id} {'skipped' if timings is None else 'committed'} {records}",
+              flush=True)
+
+    sink.on_batch = report
+    events = (spark.readStream.schema("event_id BIGINT, payload STRING")
+              .option("maxFilesPerTrigger", 1).json(args.source))
+    shaped = (events.withColumn("key", F.col("event_id").cast("string"))
+              .repartition(args.partitions))
+    query = (shaped.writeStream.foreachBatch(sink)
+             .option("checkpointLocation", args.checkpoint)
+             .trigger(availableNow=True).start())
+    query.awaitTermination()
+    print(f"RECOVERY {sink.recovery}", flush=True)
+    sink.close()
+    spark.stop()
+    print("DONE", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

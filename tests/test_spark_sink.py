@@ -1,0 +1,325 @@
+"""The Spark sink, end to end: local Spark, real Kafka, real PostgreSQL and SQLite.
+
+Every test runs the query of tests/spark_worker.py as a process, kills it with SIGKILL where the
+test says (the whole process group: the Python driver and its JVM), restarts it, and then checks
+the invariant: the records a read_committed consumer sees are exactly the rows of the target
+table, each source event exactly once, nothing of the sink left open at the coordinator, staging
+empty, and the last batch completed in the decision log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+import dualwrite
+from dualwrite.control_plane import ControlPlane, TxnState
+from dualwrite.decision_log import DecisionLog
+from tests._kafka_helpers import read_committed
+from tests._spark_helpers import StandaloneSpark
+
+pytest.importorskip("pyspark", reason="the Spark sink needs dualwrite[spark]")
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
+
+WORKER = Path(__file__).with_name("spark_worker.py")
+FILES = 5
+EVENTS_PER_FILE = 120
+OPEN = [TxnState.ONGOING, TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT]
+
+
+@dataclass
+class Pipeline:
+    """One sink's world: its source files, topic, database, checkpoint; runs the worker."""
+
+    bootstrap: str
+    db_url: str
+    topic: str
+    sink_id: str
+    source: Path
+    checkpoint: Path
+    kafka_only: bool = False
+    partitions: int = 4
+    outputs: list[str] = field(default_factory=list)
+
+    @property
+    def expected(self) -> list[int]:
+        return list(range(FILES * EVENTS_PER_FILE))
+
+    def command(self, extra: list[str]) -> list[str]:
+        cmd = [sys.executable, str(WORKER), "--bootstrap", self.bootstrap, "--db", self.db_url,
+               "--topic", self.topic, "--sink-id", self.sink_id, "--source", str(self.source),
+               "--checkpoint", str(self.checkpoint), "--partitions", str(self.partitions)]
+        if self.kafka_only:
+            cmd.append("--kafka-only")
+        return cmd + extra
+
+    def _start(self, faults: str, extra: list[str]) -> subprocess.Popen[str]:
+        env = {**os.environ, "DUALWRITE_SPARK_FAULTS": faults, "PYTHONUNBUFFERED": "1"}
+        return subprocess.Popen(self.command(extra), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True, cwd=self.checkpoint.parent)
+
+    def run(self, *extra: str, faults: str = "", expect_ok: bool = True,
+            timeout_s: float = 240.0) -> subprocess.CompletedProcess[str]:
+        proc = self._start(faults, list(extra))
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(f"worker timed out; stderr tail:\n{err[-4000:]}") from None
+        self.outputs.append(out)
+        if expect_ok:
+            assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{err[-6000:]}"
+            assert "DONE" in out
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def run_until_killed(self, point: str, batch_id: int, *extra: str,
+                         more_faults: str = "") -> str:
+        """Run until the driver pauses at ``point`` of ``batch_id``, then SIGKILL its group."""
+        faults = ";".join(f for f in (f"pause:{point}:{batch_id}", more_faults) if f)
+        proc = self._start(faults, list(extra))
+        stderr: list[str] = []
+        drain = threading.Thread(target=lambda: stderr.extend(proc.stderr or ()), daemon=True)
+        drain.start()
+        lines: list[str] = []
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 240
+        try:
+            for line in proc.stdout:
+                lines.append(line)
+                if line.startswith(f"DUALWRITE-PAUSED {point} {batch_id}"):
+                    break
+                if time.monotonic() > deadline:
+                    raise AssertionError("the worker never reached the pause point")
+            else:
+                proc.wait()
+                drain.join(5)
+                raise AssertionError(f"worker exited ({proc.returncode}) before pausing at "
+                                     f"{point} {batch_id}:\n{''.join(stderr)[-6000:]}")
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        self.outputs.append("".join(lines))
+        return "".join(lines)
+
+    # -- the invariant -------------------------------------------------------------------------
+
+    def kafka_ids(self) -> list[int]:
+        return [json.loads(v)["event_id"] for v in read_committed(self.bootstrap, self.topic, 30)]
+
+    def table_ids(self) -> list[int]:
+        engine = dualwrite.create_engine(self.db_url)
+        try:
+            with engine.connect() as conn:
+                return [r[0] for r in conn.execute(sa.text("SELECT event_id FROM events"))]
+        finally:
+            engine.dispose()
+
+    def staged_rows(self) -> int:
+        engine = dualwrite.create_engine(self.db_url)
+        try:
+            with engine.connect() as conn:
+                return int(conn.execute(sa.text(
+                    "SELECT count(*) FROM events_dw_staging WHERE dw_sink_id = :s"),
+                    {"s": self.sink_id}).scalar_one())
+        finally:
+            engine.dispose()
+
+    def open_transactions(self) -> list[str]:
+        pattern = re.compile(re.escape(self.sink_id) + r"-b[01]-p\d+-a\d+")
+        with ControlPlane({"bootstrap.servers": self.bootstrap}) as cp:
+            listed = cp.list_transactions(states=OPEN, prefix=self.sink_id)
+        return [t.transactional_id for t in listed if pattern.fullmatch(t.transactional_id)]
+
+    def assert_exactly_once(self) -> None:
+        kafka = self.kafka_ids()
+        duplicates = {i: n for i, n in Counter(kafka).items() if n > 1}
+        assert not duplicates, f"duplicated in Kafka: {dict(list(duplicates.items())[:10])}"
+        lost = sorted(set(self.expected) - set(kafka))
+        assert not lost, f"{len(lost)} events missing from Kafka, e.g. {lost[:10]}"
+        assert sorted(kafka) == self.expected
+        if not self.kafka_only:
+            rows = self.table_ids()
+            assert sorted(rows) == sorted(kafka), "read_committed records != target rows"
+            assert self.staged_rows() == 0
+        assert self.open_transactions() == []
+        engine = dualwrite.create_engine(self.db_url)
+        try:
+            record = DecisionLog(engine).read(self.sink_id)
+        finally:
+            engine.dispose()
+        assert record is not None and record.completed, record
+
+
+@pytest.fixture
+def pipeline(kafka: Any, new_topic: Any, empty_db_url: str, tmp_path: Path) -> Pipeline:
+    source = tmp_path / "source"
+    source.mkdir()
+    for f in range(FILES):
+        first = f * EVENTS_PER_FILE
+        lines = [json.dumps({"event_id": i, "payload": f"event {i} " + "x" * 40})
+                 for i in range(first, first + EVENTS_PER_FILE)]
+        path = source / f"events-{f:03d}.json"
+        path.write_text("\n".join(lines) + "\n")
+        os.utime(path, (1_700_000_000 + f, 1_700_000_000 + f))  # the order Spark reads them
+    engine = dualwrite.create_engine(empty_db_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE events (event_id BIGINT PRIMARY KEY, payload TEXT)"))
+    engine.dispose()
+    return Pipeline(kafka.bootstrap_servers, empty_db_url, new_topic(kafka, partitions=4),
+                    f"sink-{uuid.uuid4().hex[:8]}", source, tmp_path / "checkpoint")
+
+
+def batches(output: str, status: str) -> list[int]:
+    return [int(m.group(1)) for m in re.finditer(rf"^BATCH (\d+) {status}", output, re.M)]
+
+
+# -- the happy path and replays --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite"], indirect=True)
+def test_every_batch_is_written_once_to_kafka_and_sql(pipeline: Pipeline) -> None:
+    result = pipeline.run()
+    assert batches(result.stdout, "committed") == list(range(FILES))
+    pipeline.assert_exactly_once()
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_kafka_only_mode(pipeline: Pipeline) -> None:
+    pipeline.kafka_only = True
+    pipeline.run()
+    pipeline.assert_exactly_once()
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_a_replayed_decided_batch_is_skipped(pipeline: Pipeline) -> None:
+    pipeline.run()
+    # Forget that Spark committed the last batch: the restarted query runs it again.
+    last = FILES - 1
+    (pipeline.checkpoint / "commits" / str(last)).unlink()
+    (pipeline.checkpoint / "commits" / f".{last}.crc").unlink(missing_ok=True)
+    result = pipeline.run()
+    assert batches(result.stdout, "skipped") == [last]
+    assert batches(result.stdout, "committed") == []
+    pipeline.assert_exactly_once()
+
+
+# -- the driver killed at each step of a batch -----------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("point",
+                         ["prepared", "decided", "committed-one", "committed", "completed"])
+def test_driver_killed_then_restarted(pipeline: Pipeline, point: str) -> None:
+    out = pipeline.run_until_killed(point, 2)
+    assert batches(out, "committed") == [0, 1]
+    if point != "prepared":
+        # The decision is in the database: the restart must finish batch 2, not redo it.
+        engine = dualwrite.create_engine(pipeline.db_url)
+        record = DecisionLog(engine).read(pipeline.sink_id)
+        engine.dispose()
+        assert record is not None and record.last_batch_id == 2
+        assert record.completed is (point == "completed")
+    result = pipeline.run()
+    if point == "prepared":
+        # Undecided: the restart aborts the prepared participants and writes batch 2 again.
+        assert re.search(r"RECOVERY .*completed_batch=None.*aborted=\('", result.stdout)
+        assert 2 in batches(result.stdout, "committed")
+    else:
+        # Spark replays batch 2 (its commit log never got it); the sink must not write it twice.
+        assert ("completed_batch=2" in result.stdout) is (point != "completed")
+        assert batches(result.stdout, "skipped") == [2]
+    pipeline.assert_exactly_once()
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("point", ["committed-one"])
+def test_driver_killed_on_sqlite(pipeline: Pipeline, point: str) -> None:
+    pipeline.run_until_killed(point, 1)
+    pipeline.run()
+    pipeline.assert_exactly_once()
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_restart_with_a_different_number_of_partitions(pipeline: Pipeline) -> None:
+    pipeline.run_until_killed("decided", 2)
+    pipeline.partitions = 3
+    pipeline.run()
+    pipeline.assert_exactly_once()
+
+
+# -- task retries, speculation, timeouts -----------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_task_failing_after_prepare_is_retried_and_its_transaction_aborted(
+        pipeline: Pipeline) -> None:
+    # Attempt 0 of partition 1 prepares its transaction and then fails; attempt 1 wins.
+    result = pipeline.run(faults="fail:1:0:1;fail:2:0:3")
+    assert "injected failure" in result.stderr
+    assert re.search(r"sink=\S+ aborted lingering transactional_id=\S+-p1-a0", result.stderr)
+    pipeline.assert_exactly_once()
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_heuristic_abort_after_broker_timeout_names_the_batch(pipeline: Pipeline,
+                                                              tmp_path: Path) -> None:
+    """A decided batch whose participants outlive transaction.timeout.ms: not silent."""
+    pipeline.run_until_killed("decided", 1, "--txn-timeout-ms", "3000")
+    time.sleep(6)  # the coordinator aborts the participants (cleanup interval 1 s)
+    result = pipeline.run("--txn-timeout-ms", "3000", expect_ok=False)
+    assert result.returncode != 0
+    assert "BatchHeuristicAbortError" in result.stderr
+    assert f"sink {pipeline.sink_id!r} batch 1" in result.stderr
+    cli = subprocess.run([sys.executable, "-m", "dualwrite.cli", "recover", "--db",
+                          pipeline.db_url, "-b", pipeline.bootstrap],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 3, cli.stdout + cli.stderr
+    assert "batch 1" in cli.stdout + cli.stderr
+
+
+@pytest.fixture(scope="module")
+def standalone_spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandaloneSpark]:
+    cluster = StandaloneSpark(tmp_path_factory.mktemp("spark-standalone"))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_speculative_copy_wins_and_the_straggler_is_aborted(
+        pipeline: Pipeline, standalone_spark: StandaloneSpark) -> None:
+    """Attempt 0 of partition 0 straggles in batch 2; the speculative attempt 1 (on the other
+    worker) wins. The straggler's transaction must never commit."""
+    conf = ["--conf", "spark.speculation=true", "--conf", "spark.speculation.multiplier=1.1",
+            "--conf", "spark.speculation.quantile=0.1",
+            "--conf", "spark.speculation.minTaskRuntime=500ms",
+            "--conf", "spark.speculation.interval=100ms",
+            "--conf", "spark.executor.memory=512m", "--conf", "spark.cores.max=2"]
+    result = pipeline.run(*conf, "--master", standalone_spark.master_url,
+                          faults="slow:0:0:2:15")
+    assert batches(result.stdout, "committed") == list(range(FILES))
+    decided = re.search(r"batch=2 decided participants=(\S+)", result.stderr)
+    assert decided is not None
+    assert f"{pipeline.sink_id}-b0-p0-a1" in decided.group(1).split(","), \
+        "the speculative copy did not win"
+    pipeline.assert_exactly_once()
