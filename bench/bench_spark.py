@@ -5,8 +5,10 @@ partitions with ``key`` = the id as a string and ``value`` = the id left-padded 
 ``--value-bytes``. Per batch, in this order:
 
 1. ``baseline``: Spark's built-in Kafka sink (``df.write.format("kafka")``, at-least-once);
-2. ``kafka``: ``ExactlyOnceSink`` writing the topic only;
-3. ``kafka+sql``: ``ExactlyOnceSink`` writing the topic and a SQL table (COPY staging on
+2. ``floor``: no sink, only what any Python sink pays: the rows cross to PySpark's Python workers
+   through ``mapInArrow`` and become Python bytes (``to_pylist``), as the sink's tasks do;
+3. ``kafka``: ``ExactlyOnceSink`` writing the topic only;
+4. ``kafka+sql``: ``ExactlyOnceSink`` writing the topic and a SQL table (COPY staging on
    PostgreSQL, executemany on SQLite).
 
 The sink is called as ``sink(df, batch_id)``, exactly what ``foreachBatch`` does with each
@@ -46,7 +48,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 POM = Path(__file__).resolve().parent / "spark-kafka.pom.xml"
-CASES = ("baseline", "kafka", "kafka+sql")
+CASES = ("baseline", "floor", "kafka", "kafka+sql")
+SINK_CASES = ("kafka", "kafka+sql")
 
 
 def log(msg: str) -> None:
@@ -109,6 +112,18 @@ def create_table(engine: Any, name: str, value_bytes: int) -> None:
     sa.Table(name, meta, sa.Column("id", sa.BigInteger, primary_key=True),
              sa.Column("value", sa.String(max(value_bytes, 32)), nullable=False))
     meta.create_all(engine)
+
+
+def floor_task(batches: Any) -> Any:
+    """The Python side of a mapInArrow sink without the sink: Arrow rows to Python bytes."""
+    import pyarrow as pa
+
+    rows = 0
+    for batch in batches:
+        for name in ("key", "value"):
+            _ = [v.encode() for v in batch.column(name).to_pylist()]
+        rows += batch.num_rows
+    yield pa.RecordBatch.from_pydict({"rows": pa.array([rows], pa.int64())})
 
 
 # -- measurement ---------------------------------------------------------------------------------
@@ -178,11 +193,15 @@ class Runner:
     def write(self, case: str, batch_id: int, start: int, count: int) -> Batch:
         df = batch_df(self.spark, start, count, self.args.partitions, self.args.value_bytes)
         started = time.perf_counter()
+        timings = None
         if case == "baseline":
             (df.select("key", "value").write.format("kafka")
              .option("kafka.bootstrap.servers", self.bootstrap)
              .option("topic", self.topics[case]).save())
-            timings = None
+        elif case == "floor":
+            rows = sum(r.rows for r in df.select("key", "value").mapInArrow(
+                floor_task, "rows long").collect())
+            assert rows == count, (rows, count)
         else:
             self._seen.pop(case, None)
             self.sinks[case](df, batch_id)
@@ -244,15 +263,16 @@ def summarize(results: Results, tiny: Results) -> dict[str, Any]:
             "median_batch_records_per_s": round(statistics.median(rates)),
             "min_batch_records_per_s": round(min(rates)),
             "ratio_to_baseline": round(overall_rate(bs) / base, 3)}
-        if case != "baseline":
+        if case in SINK_CASES:
             entry.update(phase_stats(bs))
         out[case] = entry
     for case in CASES:
         bs = tiny.of(case)
         if bs:
-            entry = {"batches": len(bs), "median_wall_s": round(statistics.median(
-                [b.wall_s for b in bs]), 4), "p95_wall_s": round(pct([b.wall_s for b in bs], .95), 4)}
-            if case != "baseline":
+            walls = [b.wall_s for b in bs]
+            entry = {"batches": len(bs), "median_wall_s": round(statistics.median(walls), 4),
+                     "p95_wall_s": round(pct(walls, .95), 4)}
+            if case in SINK_CASES:
                 entry.update(phase_stats(bs))
             out[f"tiny {case}"] = entry
     return out
@@ -311,11 +331,12 @@ def print_report(info: dict[str, Any], results: Results, tiny: Results,
                   f"{mp(s['commit_s']):>11} {mp(s['complete_s']):>11} {mp(s['verify_s']):>11} "
                   f"{mp(s['sweep_s']):>11} {mp(s['tasks_s']):>11} "
                   f"{ms(statistics.median(wall))} / {ms(pct(wall, .95))}")
-    tb = tiny.of("baseline")
-    if tb:
-        w = [b.wall_s for b in tb]
-        print(f"{'tiny baseline':<16} {'':>13} {'':>11} {'':>11} {'':>11} {'':>11} {'':>11} "
-              f"{'':>11} {ms(statistics.median(w))} / {ms(pct(w, .95))}")
+    for case in ("baseline", "floor"):
+        tb = tiny.of(case)
+        if tb:
+            w = [b.wall_s for b in tb]
+            print(f"{'tiny ' + case:<16} {'':>13} {'':>11} {'':>11} {'':>11} {'':>11} {'':>11} "
+                  f"{'':>11} {ms(statistics.median(w))} / {ms(pct(w, .95))}")
     print("\nverification (read_committed consumer)")
     for name, v in verified.items():
         print(f"  {name:<22} {v['detail']}")
@@ -433,26 +454,20 @@ def main() -> int:
         tiny_base = 10**12
         for batch_id in range(args.tiny_batches + 1):
             for case in cases:
-                if case == "baseline":
-                    continue  # the baseline's tiny batches go to its topic too; counted below
                 b = tiny_runner.write(case, batch_id, tiny_base + batch_id * args.partitions,
                                       args.partitions)
-                if batch_id > 0:
-                    tiny.batches.append(b)
-            if "baseline" in cases:
-                b = tiny_runner.write("baseline", batch_id,
-                                      tiny_base + batch_id * args.partitions, args.partitions)
-                expected["baseline"] += args.partitions
+                if case == "baseline":  # its tiny batches share the baseline topic
+                    expected["baseline"] += args.partitions
                 if batch_id > 0:
                     tiny.batches.append(b)
         log("tiny batches done")
 
         verified: dict[str, Any] = {}
         ok = True
-        checks = [(c, topics[c], expected[c]) for c in cases if c != "baseline"]
+        checks = [(c, topics[c], expected[c]) for c in cases if c in SINK_CASES]
         checks += [(f"tiny {c}", topics["tiny" if c == "kafka" else "tiny+sql"],
                     (args.tiny_batches + 1) * args.partitions)
-                   for c in cases if c != "baseline"]
+                   for c in cases if c in SINK_CASES]
         if "baseline" in cases:
             checks.append(("baseline", topics["baseline"], expected["baseline"]))
         for name, topic, want in checks:

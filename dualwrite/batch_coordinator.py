@@ -204,12 +204,12 @@ class BatchCoordinator:
         A participant that is no longer open under its epoch is checked at its anchor offset:
         committed before is fine, aborted raises :class:`BatchHeuristicAbortError`.
         """
-        def direct(p: Participant) -> bool:
-            done = self._commit_direct(p)
-            self._phase("committed-one", batch_id)
-            return done
-
-        committed = list(self._pool.map(direct, participants))
+        if not participants:
+            return 0
+        # The first one alone, so that a crash test can stop the driver between two commits.
+        committed = [self._commit_direct(participants[0])]
+        self._phase("committed-one", batch_id)
+        committed += self._pool.map(self._commit_direct, participants[1:])
         unsettled = [p for p, done in zip(participants, committed, strict=True) if not done]
         if not unsettled:
             return len(participants)
@@ -268,6 +268,32 @@ class BatchCoordinator:
 
         return [tid for tid in self._pool.map(abort, lingering) if tid is not None]
 
+    def _decide_or_ask(self, batch_id: int, participants: Sequence[Participant]) -> bool:
+        """:meth:`decide`; if it fails, ask the database whether the decision was recorded.
+
+        Recorded: go on and commit. Not recorded: abort the participants (they would stall
+        read_committed readers until the next run) and re-raise. The database cannot answer:
+        leave everything to recovery, never guess.
+        """
+        try:
+            return self.decide(batch_id, participants)
+        except Exception as failure:
+            try:
+                record = self.log.read(self.sink_id)
+            except Exception:
+                log.error("sink=%s batch=%d: the decision failed (%s) and the database cannot "
+                          "say whether it was recorded; restart the query or run `dualwrite "
+                          "recover`", self.sink_id, batch_id, failure)
+                raise failure from None
+            if (record is not None and record.last_batch_id == batch_id
+                    and {p.transactional_id for p in record.participants}
+                    == {p.transactional_id for p in participants}):
+                log.warning("sink=%s batch=%d: the decision reported %r but was recorded; "
+                            "committing", self.sink_id, batch_id, failure)
+                return True
+            self.sweep(keep=())
+            raise
+
     def finish(self, batch_id: int, participants: Sequence[Participant]) -> BatchTimings | None:
         """Verify, decide, commit, complete, sweep. None if the batch was decided before."""
         timings = BatchTimings()
@@ -278,7 +304,7 @@ class BatchCoordinator:
             self.sweep(keep=())
             raise
         t1 = time.perf_counter()
-        if not self.decide(batch_id, participants):
+        if not self._decide_or_ask(batch_id, participants):
             self.sweep(keep=())
             return None
         t2 = time.perf_counter()
