@@ -227,16 +227,17 @@ def count_committed(bootstrap: str, topic: str, partitions: int) -> tuple[int, i
         per_partition = [0] * partitions
         keys: set[bytes] = set()
         eof: set[int] = set()
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + 300
         while len(eof) < partitions and time.monotonic() < deadline:
             for msg in consumer.consume(10_000, timeout=1.0):
-                err = msg.error()
+                err, partition = msg.error(), int(msg.partition() or 0)
                 if err is not None:
-                    if err.code() == err._PARTITION_EOF and msg.offset() >= ends[msg.partition()]:
-                        eof.add(msg.partition())
+                    if (err.code() == err._PARTITION_EOF
+                            and int(msg.offset() or 0) >= ends[partition]):
+                        eof.add(partition)
                     continue
-                per_partition[msg.partition()] += 1
-                keys.add(msg.key())
+                per_partition[partition] += 1
+                keys.add(bytes(msg.key() or b""))
         if len(eof) < partitions:
             raise RuntimeError(f"{topic}: did not reach the end of every partition")
         return sum(per_partition), len(keys), per_partition
@@ -280,11 +281,8 @@ def summarize(results: Results, tiny: Results) -> dict[str, Any]:
 
 def phase_stats(bs: list[Batch]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name, get in (("commit_phase_s", lambda t: t.commit_phase_s),
-                      ("decide_s", lambda t: t.decide_s), ("commit_s", lambda t: t.commit_s),
-                      ("complete_s", lambda t: t.complete_s), ("verify_s", lambda t: t.verify_s),
-                      ("sweep_s", lambda t: t.sweep_s)):
-        values = [get(b.timings) for b in bs]
+    for name in ("commit_phase_s", "decide_s", "commit_s", "complete_s", "verify_s", "sweep_s"):
+        values = [float(getattr(b.timings, name)) for b in bs]
         out[name] = {"median": round(statistics.median(values), 4),
                      "p95": round(pct(values, 0.95), 4)}
     tasks = [b.wall_s - driver_s(b.timings) for b in bs]
@@ -347,15 +345,16 @@ def print_report(info: dict[str, Any], results: Results, tiny: Results,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--records", type=int, default=1_000_000)
-    parser.add_argument("--batches", type=int, default=5)
+    parser.add_argument("--records", type=int, help="measured records (default 1,000,000)")
+    parser.add_argument("--batches", type=int, help="measured batches (default 5)")
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument("--topic-partitions", type=int, help="default: --partitions")
     parser.add_argument("--value-bytes", type=int, default=200)
     parser.add_argument("--warmup-records", type=int,
                         help="records in each case's excluded warm-up batch (default: a batch)")
-    parser.add_argument("--tiny-batches", type=int, default=20,
-                        help="batches of --partitions records each, to isolate the fixed cost")
+    parser.add_argument("--tiny-batches", type=int,
+                        help="batches of --partitions records each, to isolate the fixed cost "
+                             "(default 20)")
     parser.add_argument("--db", choices=("postgres", "sqlite"), default="postgres")
     parser.add_argument("--db-url", default=os.environ.get("DUALWRITE_DB"),
                         help="database URL (default: a throwaway local PostgreSQL, or an SQLite "
@@ -364,11 +363,14 @@ def main() -> int:
                         help="comma-separated subset of " + ",".join(CASES))
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke size: 40,000 records in 4 batches, 6 tiny batches")
+                        help="smoke size: 40,000 records in 4 batches, 6 tiny batches "
+                             "(explicit options win)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
-    if args.quick:
-        args.records, args.batches, args.tiny_batches = 40_000, 4, 6
+    sizes = (40_000, 4, 6) if args.quick else (1_000_000, 5, 20)
+    for name, default in zip(("records", "batches", "tiny_batches"), sizes, strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     cases = [c for c in args.cases.split(",") if c]
     unknown = set(cases) - set(CASES)
     if unknown or not cases:
@@ -424,8 +426,8 @@ def main() -> int:
         log("starting Spark")
         spark = spark_session(args.master, args.partitions, jars)
         stack.callback(spark.stop)
-        for s in (*sinks.values(), *tiny_sinks.values()):
-            stack.callback(s.close)
+        for each in (*sinks.values(), *tiny_sinks.values()):
+            stack.callback(each.close)
         info = {"spark": spark.version, "master": args.master, "bootstrap": bootstrap,
                 "db": engine.dialect.name, "records": args.records, "batches": args.batches,
                 "batch_size": batch_size, "warmup": warmup, "partitions": args.partitions,

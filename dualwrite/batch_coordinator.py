@@ -146,28 +146,28 @@ class BatchCoordinator:
         Raises :class:`BatchHeuristicAbortError` if Kafka aborted a participant of the decided
         batch (the batch stays in doubt unless ``acknowledge_heuristic``).
         """
-        record = self.log.read(self.sink_id)
         completed_batch = None
         committed = 0
         aborted: list[str] = []
-        if record is not None and record.in_doubt:
-            log.info("sink=%s batch=%d was decided but not completed: committing %d "
-                     "participants", self.sink_id, record.last_batch_id,
-                     len(record.participants))
-            # Abort the others first: one that began earlier on a participant's partition holds
-            # the stable offset below its anchor, where the check of a participant that is no
-            # longer open would wait in vain (OutcomeUnknownError on every restart).
-            aborted = self.sweep(keep={p.transactional_id for p in record.participants})
-            try:
-                committed = self.commit(record.last_batch_id, record.participants)
-            except BatchHeuristicAbortError:
-                if not acknowledge_heuristic:
-                    raise
-                log.warning("sink=%s batch=%d heuristic abort acknowledged", self.sink_id,
-                            record.last_batch_id)
-            self.log.mark_completed(self.sink_id, record.last_batch_id)
-            completed_batch = record.last_batch_id
-        aborted += self.sweep(keep=())
+        with self.log.locked(self.sink_id) as (conn, record):
+            if record is not None and record.in_doubt:
+                log.info("sink=%s batch=%d was decided but not completed: committing %d "
+                         "participants", self.sink_id, record.last_batch_id,
+                         len(record.participants))
+                # Abort the others first: one that began earlier on a participant's partition
+                # holds the stable offset below its anchor, where the check of a participant
+                # that is no longer open would wait in vain.
+                aborted = self.sweep(keep={p.transactional_id for p in record.participants})
+                try:
+                    committed = self.commit(record.last_batch_id, record.participants)
+                except BatchHeuristicAbortError:
+                    if not acknowledge_heuristic:
+                        raise
+                    log.warning("sink=%s batch=%d heuristic abort acknowledged", self.sink_id,
+                                record.last_batch_id)
+                self.log.mark_completed(self.sink_id, record.last_batch_id, conn)
+                completed_batch = record.last_batch_id
+            aborted += self.sweep(keep=())
         purged = self.staging.purge(self.sink_id) if self.staging is not None else 0
         if aborted or purged:
             log.info("sink=%s aborted %d lingering transactions, dropped %d staged rows",
@@ -194,9 +194,16 @@ class BatchCoordinator:
                 "(re-initialised by a late task attempt, or timed out); the batch was not "
                 "decided and will be written again")
 
-    def decide(self, batch_id: int, participants: Sequence[Participant]) -> bool:
-        """Record the decision; False when ``batch_id`` had been decided before (a replay)."""
-        return self.log.decide(self.sink_id, batch_id, participants, self.staging)
+    def decide(self, batch_id: int, participants: Sequence[Participant], *,
+               verify: bool = True) -> bool:
+        """Verify and record the decision under the sink's lock; False for a replay.
+
+        Verifying under the lock serializes it with :meth:`recover` (e.g. a `dualwrite recover`
+        run while the query is running): recovery either aborts the participants first, and
+        verification fails, or sees the decision and commits them.
+        """
+        check = (lambda: self.verify(participants)) if verify else None
+        return self.log.decide(self.sink_id, batch_id, participants, self.staging, check)
 
     def commit(self, batch_id: int, participants: Sequence[Participant]) -> int:
         """Commit every participant in parallel; returns how many are committed.
@@ -268,7 +275,8 @@ class BatchCoordinator:
 
         return [tid for tid in self._pool.map(abort, lingering) if tid is not None]
 
-    def _decide_or_ask(self, batch_id: int, participants: Sequence[Participant]) -> bool:
+    def _decide_or_ask(self, batch_id: int, participants: Sequence[Participant],
+                       verify: Callable[[], None]) -> bool:
         """:meth:`decide`; if it fails, ask the database whether the decision was recorded.
 
         Recorded: go on and commit. Not recorded: abort the participants (they would stall
@@ -276,7 +284,7 @@ class BatchCoordinator:
         leave everything to recovery, never guess.
         """
         try:
-            return self.decide(batch_id, participants)
+            return self.log.decide(self.sink_id, batch_id, participants, self.staging, verify)
         except Exception as failure:
             try:
                 record = self.log.read(self.sink_id)
@@ -291,20 +299,21 @@ class BatchCoordinator:
                 log.warning("sink=%s batch=%d: the decision reported %r but was recorded; "
                             "committing", self.sink_id, batch_id, failure)
                 return True
-            self.sweep(keep=())
+            if record is None or record.last_batch_id < batch_id:
+                self.sweep(keep=())  # not decided: nothing may stay open
             raise
 
     def finish(self, batch_id: int, participants: Sequence[Participant]) -> BatchTimings | None:
         """Verify, decide, commit, complete, sweep. None if the batch was decided before."""
         timings = BatchTimings()
         t0 = time.perf_counter()
-        try:
+
+        def verify() -> None:
+            started = time.perf_counter()
             self.verify(participants)
-        except RetriableError:
-            self.sweep(keep=())
-            raise
-        t1 = time.perf_counter()
-        if not self._decide_or_ask(batch_id, participants):
+            timings.verify_s = time.perf_counter() - started
+
+        if not self._decide_or_ask(batch_id, participants, verify):
             self.sweep(keep=())
             return None
         t2 = time.perf_counter()
@@ -320,7 +329,7 @@ class BatchCoordinator:
         self._phase("completed", batch_id)
         timings.aborted = self.sweep(keep={p.transactional_id for p in participants})
         t5 = time.perf_counter()
-        timings.verify_s, timings.decide_s, timings.commit_s = t1 - t0, t2 - t1, t3 - t2
+        timings.decide_s, timings.commit_s = t2 - t0 - timings.verify_s, t3 - t2
         timings.complete_s, timings.sweep_s = t4 - t3, t5 - t4
         log.info("sink=%s batch=%d committed %d participants (%d records); verify %.0f ms, "
                  "decide %.0f ms, commit %.0f ms, sweep %.0f ms, aborted %d", self.sink_id,

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -133,39 +134,61 @@ class DecisionLog:
 
     def read_all(self, sink_ids: Sequence[str] | None = None) -> list[SinkRecord]:
         """Every sink's (or the given sinks') last decision, with its participants."""
+        try:
+            with transaction(self.engine, read_only=True) as conn:
+                return self._read(conn, sink_ids)
+        except sa.exc.DBAPIError as exc:
+            if _missing_table(exc):
+                raise self._migration_error(exc) from exc
+            raise
+
+    def _read(self, conn: Connection, sink_ids: Sequence[str] | None) -> list[SinkRecord]:
         query = sa.select(_SINKS).order_by(_SINKS.c.sink_id)
         parts = sa.select(_PARTICIPANTS).order_by(_PARTICIPANTS.c.partition_id)
         if sink_ids is not None:
             query = query.where(_SINKS.c.sink_id.in_(list(sink_ids)))
             parts = parts.where(_PARTICIPANTS.c.sink_id.in_(list(sink_ids)))
+        sinks = conn.execute(query).all()
+        by_sink: dict[str, list[Participant]] = {}
+        last = {row.sink_id: row.last_batch_id for row in sinks}
+        for p in conn.execute(parts):
+            if last.get(p.sink_id) == p.batch_id:
+                by_sink.setdefault(p.sink_id, []).append(Participant(
+                    p.partition_id, p.transactional_id,
+                    PreparedTxnState.parse(p.prepared_txn_state), p.records))
+        return [SinkRecord(s.sink_id, s.last_batch_id, s.completed, _utc(s.decided_at),
+                           _utc(s.completed_at) if s.completed_at else None,
+                           tuple(by_sink.get(s.sink_id, ()))) for s in sinks]
+
+    @contextmanager
+    def locked(self, sink_id: str) -> Iterator[tuple[Connection, SinkRecord | None]]:
+        """Hold the sink's decision lock (SQLite: the write lock) and yield its last decision.
+
+        Recovery works under it, so it cannot abort participants that a running driver verified
+        and is about to decide: the driver verifies under the same lock (see :meth:`decide`).
+        """
         try:
-            with transaction(self.engine, read_only=True) as conn:
-                sinks = conn.execute(query).all()
-                by_sink: dict[str, list[Participant]] = {}
-                last = {row.sink_id: row.last_batch_id for row in sinks}
-                for p in conn.execute(parts):
-                    if last.get(p.sink_id) == p.batch_id:
-                        by_sink.setdefault(p.sink_id, []).append(Participant(
-                            p.partition_id, p.transactional_id,
-                            PreparedTxnState.parse(p.prepared_txn_state), p.records))
+            with transaction(self.engine) as conn:
+                self._lock(conn, sink_id)
+                found = self._read(conn, [sink_id])
+                yield conn, (found[0] if found else None)
         except sa.exc.DBAPIError as exc:
             if _missing_table(exc):
                 raise self._migration_error(exc) from exc
             raise
-        return [SinkRecord(s.sink_id, s.last_batch_id, s.completed, _utc(s.decided_at),
-                           _utc(s.completed_at) if s.completed_at else None,
-                           tuple(by_sink.get(s.sink_id, ()))) for s in sinks]
 
     def has_tables(self) -> bool:
         with transaction(self.engine, read_only=True) as conn:
             return sa.inspect(conn).has_table(SINK_TABLE)
 
     def decide(self, sink_id: str, batch_id: int, participants: Sequence[Participant],
-               staging: StagingTable | None = None) -> bool:
+               staging: StagingTable | None = None,
+               verify: Callable[[], None] | None = None) -> bool:
         """Record the decision to commit ``batch_id``; False if it (or a later one) was decided.
 
         In the same transaction the winning attempts' staged rows are published into the target
-        table and the sink's staged rows of this and older batches are deleted.
+        table and the sink's staged rows of this and older batches are deleted. ``verify`` runs
+        under the sink's lock before anything is written; if it raises, nothing is decided.
         """
         now = datetime.now(UTC)
         try:
@@ -175,6 +198,8 @@ class DecisionLog:
                     log.info("sink=%s batch=%d was decided before (last decided %d); skipping",
                              sink_id, batch_id, last)
                     return False
+                if verify is not None:
+                    verify()
                 conn.execute(sa.delete(_PARTICIPANTS).where(_PARTICIPANTS.c.sink_id == sink_id))
                 if participants:
                     conn.execute(sa.insert(_PARTICIPANTS), [
@@ -208,12 +233,19 @@ class DecisionLog:
         last: int | None = conn.execute(query).scalar_one_or_none()
         return last
 
-    def mark_completed(self, sink_id: str, batch_id: int) -> None:
-        """Every participant of ``batch_id`` is committed (no-op if a later batch was decided)."""
-        with transaction(self.engine) as conn:
-            conn.execute(sa.update(_SINKS)
-                         .where(_SINKS.c.sink_id == sink_id, _SINKS.c.last_batch_id == batch_id)
-                         .values(completed=True, completed_at=datetime.now(UTC)))
+    def mark_completed(self, sink_id: str, batch_id: int, conn: Connection | None = None) -> None:
+        """Every participant of ``batch_id`` is committed (no-op if a later batch was decided).
+
+        ``conn``: the transaction of :meth:`locked`, when called under the lock.
+        """
+        stmt = (sa.update(_SINKS)
+                .where(_SINKS.c.sink_id == sink_id, _SINKS.c.last_batch_id == batch_id)
+                .values(completed=True, completed_at=datetime.now(UTC)))
+        if conn is not None:
+            conn.execute(stmt)
+            return
+        with transaction(self.engine) as own:
+            own.execute(stmt)
 
     def forget(self, sink_id: str) -> None:
         """Drop a sink's decisions, e.g. before starting it over with a new checkpoint."""

@@ -46,7 +46,10 @@ def main() -> int:
     builder = (SparkSession.builder.master(args.master).appName(args.sink_id)
                .config("spark.ui.enabled", "false")
                .config("spark.sql.shuffle.partitions", str(args.partitions))
-               .config("spark.pyspark.python", sys.executable))
+               .config("spark.pyspark.python", sys.executable)
+               # A short-lived driver JVM: C1 only and the serial GC start about twice as fast.
+               .config("spark.driver.extraJavaOptions",
+                       "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"))
     faults = os.environ.get("DUALWRITE_SPARK_FAULTS")
     if faults:  # executors of a standalone cluster do not inherit the driver's environment
         builder = builder.config("spark.executorEnv.DUALWRITE_SPARK_FAULTS", faults)

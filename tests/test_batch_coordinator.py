@@ -415,3 +415,47 @@ def test_recover_and_status_without_the_batch_tables(empty_db_url: str, kconf: d
     finally:
         engine.dispose()
     assert read_committed(bootstrap, topic) == [b"old"]
+
+
+def test_recover_during_a_running_batch_cannot_abort_a_verified_participant(
+        engine: sa.Engine, kconf: dict[str, Any], cp: ControlPlane, bootstrap: str, topic: str,
+        sink: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dualwrite recover` racing a live driver: recovery waits for the driver's decision lock,
+    so it cannot abort participants between their verification and their commit."""
+    import threading
+    import time
+
+    first = [prepare(bootstrap, cp, sink, topic, 0, 0, 0, ["b0"])]
+    with coordinator(sink, engine, kconf, cp) as coord:
+        coord.finish(0, first)  # the sink now has a decision row to lock
+    parts = [prepare(bootstrap, cp, sink, topic, 1, p, 0, [f"b1-p{p}"]) for p in range(2)]
+    driver = coordinator(sink, engine, kconf, cp)
+    real_verify = driver.verify
+    verified = threading.Event()
+
+    def slow_verify(participants: Any) -> None:
+        real_verify(participants)
+        verified.set()
+        time.sleep(1.5)  # the window in which an unserialized recovery would abort them
+
+    monkeypatch.setattr(driver, "verify", slow_verify)
+    errors: list[BaseException] = []
+
+    def run_driver() -> None:
+        try:
+            driver.finish(1, parts)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run_driver)
+    thread.start()
+    assert verified.wait(30)
+    with coordinator(sink, engine, kconf, cp) as recovery:
+        result = recovery.recover()  # blocks until the driver's decision committed
+    thread.join(60)
+    driver.close()
+    assert errors == []
+    assert result.completed_batch in (None, 1)
+    assert set(result.aborted).isdisjoint(p.transactional_id for p in parts)
+    assert read_committed(bootstrap, topic) == encoded("b0", "b1-p0", "b1-p1")
+    assert open_in_pool(cp, sink) == []

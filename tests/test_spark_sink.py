@@ -194,7 +194,7 @@ def batches(output: str, status: str) -> list[int]:
 # -- the happy path and replays --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["postgresql", "sqlite"], indirect=True)
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 def test_every_batch_is_written_once_to_kafka_and_sql(pipeline: Pipeline) -> None:
     result = pipeline.run()
     assert batches(result.stdout, "committed") == list(range(FILES))
@@ -208,26 +208,17 @@ def test_kafka_only_mode(pipeline: Pipeline) -> None:
     pipeline.assert_exactly_once()
 
 
-@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
-def test_a_replayed_decided_batch_is_skipped(pipeline: Pipeline) -> None:
-    pipeline.run()
-    # Forget that Spark committed the last batch: the restarted query runs it again.
-    last = FILES - 1
-    (pipeline.checkpoint / "commits" / str(last)).unlink()
-    (pipeline.checkpoint / "commits" / f".{last}.crc").unlink(missing_ok=True)
-    result = pipeline.run()
-    assert batches(result.stdout, "skipped") == [last]
-    assert batches(result.stdout, "committed") == []
-    pipeline.assert_exactly_once()
-
-
 # -- the driver killed at each step of a batch -----------------------------------------------
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
-@pytest.mark.parametrize("point",
-                         ["prepared", "decided", "committed-one", "committed", "completed"])
+@pytest.mark.parametrize("point", ["prepared", "decided", "committed-one", "completed"])
 def test_driver_killed_then_restarted(pipeline: Pipeline, point: str) -> None:
+    """SIGKILL after the tasks prepared, after the decision, between two participant commits,
+    after everything (before Spark recorded the batch); restart with 3 partitions instead of 4.
+
+    From "decided" on, Spark replays batch 2 after the restart: the replay must be skipped.
+    """
     out = pipeline.run_until_killed(point, 2)
     assert batches(out, "committed") == [0, 1]
     if point != "prepared":
@@ -237,6 +228,7 @@ def test_driver_killed_then_restarted(pipeline: Pipeline, point: str) -> None:
         engine.dispose()
         assert record is not None and record.last_batch_id == 2
         assert record.completed is (point == "completed")
+    pipeline.partitions = 3
     result = pipeline.run()
     if point == "prepared":
         # Undecided: the restart aborts the prepared participants and writes batch 2 again.
@@ -253,14 +245,6 @@ def test_driver_killed_then_restarted(pipeline: Pipeline, point: str) -> None:
 @pytest.mark.parametrize("point", ["committed-one"])
 def test_driver_killed_on_sqlite(pipeline: Pipeline, point: str) -> None:
     pipeline.run_until_killed(point, 1)
-    pipeline.run()
-    pipeline.assert_exactly_once()
-
-
-@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
-def test_restart_with_a_different_number_of_partitions(pipeline: Pipeline) -> None:
-    pipeline.run_until_killed("decided", 2)
-    pipeline.partitions = 3
     pipeline.run()
     pipeline.assert_exactly_once()
 
@@ -322,4 +306,57 @@ def test_speculative_copy_wins_and_the_straggler_is_aborted(
     assert decided is not None
     assert f"{pipeline.sink_id}-b0-p0-a1" in decided.group(1).split(","), \
         "the speculative copy did not win"
+    pipeline.assert_exactly_once()
+
+
+def _executor_pids(cluster: StandaloneSpark) -> list[int]:
+    """Executor JVMs of ``cluster`` (their working directory is under its work dir)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            cwd = os.readlink(proc / "cwd")
+        except OSError:
+            continue
+        if b"CoarseGrainedExecutorBackend" in cmdline and cwd.startswith(str(cluster.work_dir)):
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_lost_executors_mid_batch(pipeline: Pipeline, standalone_spark: StandaloneSpark) -> None:
+    """SIGKILL every executor while batch 2's tasks run (one of them straggles); the cluster
+    starts new executors and Spark reruns the lost tasks as new attempts."""
+    extra = ["--master", standalone_spark.master_url, "--conf", "spark.executor.memory=512m",
+             "--conf", "spark.cores.max=2"]
+    proc = pipeline._start("slow:0:0:2:20", extra)
+    assert proc.stdout is not None
+    stderr: list[str] = []
+    drain = threading.Thread(target=lambda: stderr.extend(proc.stderr or ()), daemon=True)
+    drain.start()
+    killed: list[int] = []
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("BATCH 1 committed"):
+                time.sleep(3)  # batch 2's tasks are running; partition 0 sleeps 20 s
+                killed = _executor_pids(standalone_spark)
+                for pid in killed:
+                    os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    drain.join(10)
+    assert killed, "no executor was running"
+    assert proc.returncode == 0, "".join(stderr)[-6000:]
+    output = "".join(lines)
+    assert batches(output, "committed") == list(range(FILES))
+    decided = re.search(r"batch=2 decided participants=(\S+)", "".join(stderr))
+    assert decided is not None and f"{pipeline.sink_id}-b0-p0-a0" not in decided.group(1), \
+        "the straggler on a killed executor cannot have won"
     pipeline.assert_exactly_once()
