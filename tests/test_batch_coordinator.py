@@ -444,7 +444,7 @@ def test_recover_during_a_running_batch_cannot_abort_a_verified_participant(
     def run_driver() -> None:
         try:
             driver.finish(1, parts)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     thread = threading.Thread(target=run_driver)

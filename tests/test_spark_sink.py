@@ -327,11 +327,12 @@ def _executor_pids(cluster: StandaloneSpark) -> list[int]:
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
 def test_lost_executors_mid_batch(pipeline: Pipeline, standalone_spark: StandaloneSpark) -> None:
-    """SIGKILL every executor while batch 2's tasks run (one of them straggles); the cluster
-    starts new executors and Spark reruns the lost tasks as new attempts."""
+    """SIGKILL every executor while batch 2's tasks run (partition 0 straggles); the cluster
+    starts new executors and Spark reruns the lost tasks (and the lost shuffle output)."""
     extra = ["--master", standalone_spark.master_url, "--conf", "spark.executor.memory=512m",
              "--conf", "spark.cores.max=2"]
-    proc = pipeline._start("slow:0:0:2:20", extra)
+    marker = pipeline.checkpoint.parent / "straggler-running"
+    proc = pipeline._start(f"slow:0:0:2:30:{marker}", extra)
     assert proc.stdout is not None
     stderr: list[str] = []
     drain = threading.Thread(target=lambda: stderr.extend(proc.stderr or ()), daemon=True)
@@ -342,7 +343,11 @@ def test_lost_executors_mid_batch(pipeline: Pipeline, standalone_spark: Standalo
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("BATCH 1 committed"):
-                time.sleep(3)  # batch 2's tasks are running; partition 0 sleeps 20 s
+                deadline = time.monotonic() + 120
+                while not marker.exists() and time.monotonic() < deadline:
+                    time.sleep(0.2)  # until batch 2's partition 0 runs (and sleeps 30 s)
+                assert marker.exists(), "batch 2's straggler never started"
+                time.sleep(1)  # the other tasks of batch 2 are under way too
                 killed = _executor_pids(standalone_spark)
                 for pid in killed:
                     os.kill(pid, signal.SIGKILL)
@@ -356,7 +361,7 @@ def test_lost_executors_mid_batch(pipeline: Pipeline, standalone_spark: Standalo
     assert proc.returncode == 0, "".join(stderr)[-6000:]
     output = "".join(lines)
     assert batches(output, "committed") == list(range(FILES))
-    decided = re.search(r"batch=2 decided participants=(\S+)", "".join(stderr))
-    assert decided is not None and f"{pipeline.sink_id}-b0-p0-a0" not in decided.group(1), \
-        "the straggler on a killed executor cannot have won"
+    assert "Lost executor" in "".join(stderr)
+    # The rerun may be a new stage attempt whose task attempt numbers restart at 0: then it
+    # reuses the dead attempt's transactional id, and its initialisation fences the dead one.
     pipeline.assert_exactly_once()

@@ -6,8 +6,9 @@
   test can SIGKILL it there. Points: ``prepared``, ``decided``, ``committed-one``, ``committed``,
   ``completed``.
 - ``fail:<partition>:<attempt>:<batch>``: that task attempt raises after preparing its transaction.
-- ``slow:<partition>:<attempt>:<batch>:<seconds>``: that task attempt sleeps before preparing (a
-  straggler for speculative execution).
+- ``slow:<partition>:<attempt>:<batch>:<seconds>[:<marker file>]``: that task attempt touches the
+  marker file, if given, and sleeps before preparing (a straggler for speculative execution, or a
+  task to kill its executor under).
 
 Unset in production; reading it costs one dict lookup per point.
 """
@@ -41,4 +42,7 @@ def task_point(point: str, partition_id: int, attempt: int, batch_id: int) -> No
             raise RuntimeError(f"injected failure of partition {partition_id} attempt {attempt} "
                                f"batch {batch_id} after prepare")
         if point == "producing" and rule[0] == "slow" and rule[1:4] == where:
+            if len(rule) > 5:
+                with open(rule[5], "a"):
+                    pass
             time.sleep(float(rule[4]))
