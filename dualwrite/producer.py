@@ -11,6 +11,7 @@ import contextlib
 import enum
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -105,6 +106,7 @@ class TwoPhaseProducer:
         self._first_offsets: dict[TopicPartition, int] = {}
         self._delivery_errors: list[str] = []
         self._produced = 0
+        self._begun_at = 0.0
         self._prepared: PreparedTxnState | None = None
         self.last_committed: PreparedTxnState | None = None
         """The state of the last transaction this producer committed (in this process)."""
@@ -140,6 +142,11 @@ class TwoPhaseProducer:
         if not isinstance(exc, KafkaException) and self._fatal is not None:
             exc = KafkaException(self._fatal)
         return _translate(exc, what)
+
+    @property
+    def open_for_s(self) -> float:
+        """Seconds since :meth:`begin_transaction` (an upper bound of the coordinator's age)."""
+        return time.monotonic() - self._begun_at if self.has_open_transaction else 0.0
 
     @property
     def has_open_transaction(self) -> bool:
@@ -237,6 +244,7 @@ class TwoPhaseProducer:
         self._delivery_errors = []
         self._produced = 0
         self._prepared = None
+        self._begun_at = time.monotonic()
         self._phase = _Phase.IN_TRANSACTION
         log.debug("begin %s", self._ids())
 

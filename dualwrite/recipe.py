@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
@@ -61,12 +61,25 @@ class DualWriter:
     transaction the database committed, so the application can re-publish those rows; without it
     :class:`HeuristicAbortError` is raised and the writer refuses to continue until recovery
     acknowledges it.
+
+    ``verify``: before the database commit, ask the coordinator whether the Kafka transaction is
+    still open under this producer's epoch. ``"auto"`` (default) asks only when the answer is in
+    question: when the transaction has been open for more than half its
+    ``transaction.timeout.ms``. Younger, nothing can have ended it: the broker cannot have timed
+    it out, and fencing it takes a writer of the same transactional id, which waits for the
+    state-row lock this transaction holds (a fence before it, or a delivery failure, fails the
+    flush instead). ``"always"`` asks every time. Either way a commit that Kafka refuses later is
+    reported, never ignored (:class:`HeuristicAbortError`).
     """
 
     def __init__(self, engine: Engine | str, kafka_config: Mapping[str, Any], *,
                  transactional_id: str | None = None,
                  on_heuristic_abort: HeuristicHook | None = None,
-                 timeout_s: float = 30.0, state_store: StateStore | None = None) -> None:
+                 timeout_s: float = 30.0, state_store: StateStore | None = None,
+                 verify: Literal["auto", "always"] = "auto") -> None:
+        if verify not in ("auto", "always"):
+            raise ValueError(f"verify must be 'auto' or 'always', not {verify!r}")
+        self._verify_mode = verify
         self._engine = create_engine(engine) if isinstance(engine, str) else engine
         config = dict(kafka_config)
         if transactional_id is not None:
@@ -143,10 +156,13 @@ class DualWriter:
                 tx = DualWriteTransaction(conn, producer)
                 yield tx
                 state = producer.flush_and_state()
-                # The coordinator round trip overlaps the state-row write.
-                verified = self._verifier.submit(producer.verify_prepared)
-                self._store.write(conn, self._tid, str(state))
-                verified.result()
+                if self._needs_verification(producer):
+                    # The coordinator round trip overlaps the state-row write.
+                    verified = self._verifier.submit(producer.verify_prepared)
+                    self._store.write(conn, self._tid, str(state))
+                    verified.result()
+                else:
+                    self._store.write(conn, self._tid, str(state))
                 tx.state = state
             except BaseException:
                 db_tx.rollback()
@@ -155,6 +171,12 @@ class DualWriter:
             self._decide(db_tx, producer, state)
         finally:
             conn.close()
+
+    def _needs_verification(self, producer: TwoPhaseProducer) -> bool:
+        if self._verify_mode == "always":
+            return True
+        timeout_ms = producer.transaction_timeout_ms
+        return timeout_ms is None or producer.open_for_s * 1000 > timeout_ms / 2
 
     def _decide(self, db_tx: sa.RootTransaction, producer: TwoPhaseProducer,
                 state: PreparedTxnState) -> None:

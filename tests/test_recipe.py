@@ -348,3 +348,37 @@ def test_heuristic_abort_hook_called_and_writer_continues(
     assert len(calls) == 1  # resolved: not called again
     assert read_committed(bootstrap, topic) == [b"after", b"after2"]
     assert rows(engine) == [b"after", b"after2", b"h1", b"h2"]
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_coordinator_check_runs_only_when_the_transaction_is_old(
+        writers: Any, engine: sa.Engine, bootstrap: str, topic: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify="auto": a young transaction needs no coordinator round trip (nothing but a
+    writer waiting for our state-row lock, or the broker timeout, can end it); one open for more
+    than half its timeout is checked, and a timed-out one is caught before the database commit."""
+    calls: list[str] = []
+    real = dualwrite.TwoPhaseProducer.verify_prepared
+
+    def counting(self: dualwrite.TwoPhaseProducer) -> None:
+        calls.append(self.transactional_id)
+        real(self)
+
+    monkeypatch.setattr(dualwrite.TwoPhaseProducer, "verify_prepared", counting)
+    writer = writers(engine, unique("auto"), {"transaction.timeout.ms": 4000})
+    write(writer, topic, ["young"])
+    assert calls == []
+    with writer.transaction() as tx:
+        tx.connection.execute(sa.text("INSERT INTO app_rows (value) VALUES ('old')"))
+        tx.produce(topic, b"old", key=b"old")
+        time.sleep(2.5)
+    assert len(calls) == 1
+    with pytest.raises(dualwrite.DualWriteError), writer.transaction() as tx:
+        tx.connection.execute(sa.text("INSERT INTO app_rows (value) VALUES ('expired')"))
+        tx.produce(topic, b"expired", key=b"expired")
+        time.sleep(7)  # the broker aborts it (cleanup interval 1 s)
+    assert len(calls) == 2
+    assert assert_invariant(engine, bootstrap, topic) == [b"old", b"young"]
+    always = writers(engine, unique("always"), verify="always")
+    write(always, topic, ["checked"])
+    assert len(calls) == 3
