@@ -118,11 +118,21 @@ class StateStore:
         _require_transaction(conn, "lock")
         t, tid = self.table, transactional_id
         try:
-            conn.execute(self._insert_missing(conn, tid))
-            query = sa.select(t.c.prepared_txn_state).where(t.c.transactional_id == tid)
+            state: str
             if conn.dialect.name == "postgresql":
-                query = query.with_for_update()
-            state: str = conn.execute(query).scalar_one()
+                # One round trip: the upsert takes the row lock (like FOR UPDATE) and returns the
+                # stored state unchanged.
+                upsert = (postgresql.insert(t)
+                          .values(transactional_id=tid, prepared_txn_state="",
+                                  updated_at=datetime.now(UTC))
+                          .on_conflict_do_update(index_elements=[t.c.transactional_id],
+                                                 set_={"transactional_id": tid})
+                          .returning(t.c.prepared_txn_state))
+                state = conn.execute(upsert).scalar_one()
+            else:
+                conn.execute(self._insert_missing(conn, tid))
+                query = sa.select(t.c.prepared_txn_state).where(t.c.transactional_id == tid)
+                state = conn.execute(query).scalar_one()
         except sa.exc.DBAPIError as exc:
             self._reraise(conn, exc)
         logger.debug("locked transactional id %r, stored state %r", transactional_id, state)
