@@ -13,7 +13,7 @@ partitions with ``key`` = the id as a string and ``value`` = the id left-padded 
 
 The sink is called as ``sink(df, batch_id)``, exactly what ``foreachBatch`` does with each
 micro-batch, so neither side pays a streaming trigger or checkpoint and the baseline is the same
-``DataFrame.write`` that the built-in streaming Kafka sink runs per micro-batch. The three cases
+``DataFrame.write`` that the built-in streaming Kafka sink runs per micro-batch. The cases
 are interleaved batch by batch so that load from other processes hits them alike. One warm-up
 batch per case is excluded. Then ``--tiny-batches`` batches of ``--partitions`` records (one per
 partition) isolate the sink's fixed per-batch cost. At the end, a read_committed consumer checks

@@ -21,6 +21,7 @@ from dualwrite import (
     HeuristicAbortError,
     PreparedTxnState,
     ProducerFencedError,
+    TopicPartition,
     TransactionStateError,
     TwoPhaseProducer,
     TxnState,
@@ -142,6 +143,23 @@ def test_prepare_commit_visible_and_state_names_transaction(producers: Any, boot
     assert read_committed(bootstrap, topic) == encoded(["b1", "b2", "b3", "c1"])
     # Completing with what this session committed is a no-op.
     assert p.complete_transaction(state2) is Completion.ALREADY_COMMITTED
+
+
+def test_produce_many_sends_every_record_and_anchors_the_transaction(
+        producers: Any, bootstrap: str, topic: str, cp: ControlPlane, tid: str) -> None:
+    p = producers()
+    p.init_transactions()
+    p.begin_transaction()
+    produce_values(p, topic, ["first"], partition=0)  # offsets of an earlier record stay first
+    records = [(f"k{i}".encode(), f"v{i}".encode()) for i in range(5000)]
+    assert p.produce_many(topic, records) == 5000
+    state = p.prepare_transaction()
+    assert state.anchor is not None and state.anchor.partition == 0
+    producers_on_0 = cp.describe_producers([TopicPartition(topic, 0)])[TopicPartition(topic, 0)]
+    assert any(ap.producer_id == state.producer_id
+               and ap.current_txn_start_offset == state.anchor.offset for ap in producers_on_0)
+    p.commit_transaction()
+    assert read_committed(bootstrap, topic) == sorted([b"first", *(v for _, v in records)])
 
 
 def test_after_prepare_only_commit_or_abort(producers: Any, bootstrap: str, topic: str) -> None:

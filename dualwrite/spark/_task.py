@@ -52,7 +52,8 @@ class TaskPlan:
 
 
 def _control_plane(config: Mapping[str, Any], timeout_s: float) -> ControlPlane:
-    key = tuple(sorted((k, str(v)) for k, v in config.items()))
+    """One admin client per worker process and cluster (not per transactional id)."""
+    key = tuple(sorted((k, str(v)) for k, v in config.items() if k != "transactional.id"))
     with _lock:
         cp = _control_planes.get(key)
         if cp is None:
@@ -103,9 +104,7 @@ def write_partition(plan: TaskPlan, batches: Iterator[pa.RecordBatch]
             _faults.task_point("producing", partition_id, attempt, plan.batch_id)
         keys = _as_bytes(batch.column(KEY).to_pylist())
         values = _as_bytes(batch.column(VALUE).to_pylist())
-        produce = producer.produce
-        for key, value in zip(keys, values, strict=True):
-            produce(plan.topic, value, key)
+        producer.produce_many(plan.topic, zip(keys, values, strict=True))
         if staging is not None:
             columns = [batch.column(c).to_pylist() for c in plan.table_columns]
             staging.write(plan.sink_id, plan.batch_id, attempt_key, zip(*columns, strict=True))
