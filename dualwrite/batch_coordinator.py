@@ -81,6 +81,8 @@ class BatchTimings:
     commit_s: float = 0.0
     complete_s: float = 0.0
     sweep_s: float = 0.0
+    cleanup_s: float = 0.0
+    """Deleting the batch's staged rows, after the commit (not part of the decision)."""
     aborted: list[str] = field(default_factory=list)
 
     @property
@@ -324,13 +326,16 @@ class BatchCoordinator:
         t3 = time.perf_counter()
         self._phase("committed", batch_id)
         if participants:
-            self.complete_batch(batch_id)
+            self.log.mark_completed(self.sink_id, batch_id)
         t4 = time.perf_counter()
         self._phase("completed", batch_id)
         timings.aborted = self.sweep(keep={p.transactional_id for p in participants})
         t5 = time.perf_counter()
+        if self.staging is not None:
+            self.staging.discard(self.sink_id, batch_id)
+        t6 = time.perf_counter()
         timings.decide_s, timings.commit_s = t2 - t0 - timings.verify_s, t3 - t2
-        timings.complete_s, timings.sweep_s = t4 - t3, t5 - t4
+        timings.complete_s, timings.sweep_s, timings.cleanup_s = t4 - t3, t5 - t4, t6 - t5
         log.info("sink=%s batch=%d committed %d participants (%d records); verify %.0f ms, "
                  "decide %.0f ms, commit %.0f ms, sweep %.0f ms, aborted %d", self.sink_id,
                  batch_id, len(participants), sum(p.records for p in participants),

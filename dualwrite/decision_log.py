@@ -187,7 +187,7 @@ class DecisionLog:
         """Record the decision to commit ``batch_id``; False if it (or a later one) was decided.
 
         In the same transaction the winning attempts' staged rows are published into the target
-        table and the sink's staged rows of this and older batches are deleted. ``verify`` runs
+        table. ``verify`` runs
         under the sink's lock before anything is written; if it raises, nothing is decided.
         """
         now = datetime.now(UTC)
@@ -343,7 +343,11 @@ class StagingTable:
 
     def publish(self, conn: Connection, sink_id: str, batch_id: int,
                 attempt_keys: Sequence[str]) -> int:
-        """In the decision transaction: move the winners' rows, delete the batch's staged rows."""
+        """In the decision transaction: copy the winners' rows into the target.
+
+        The staged rows are deleted afterwards by :meth:`discard`, outside the decision: a
+        decided batch is never published again, so leftovers are only garbage.
+        """
         if not conn.in_transaction():
             raise TransactionStateError("StagingTable.publish() runs inside the decision "
                                         "transaction")
@@ -355,9 +359,15 @@ class StagingTable:
                 s.dw_attempt.in_(list(attempt_keys)))
             result = conn.execute(sa.insert(self._target).from_select(list(self.columns), select))
             moved = result.rowcount
-        conn.execute(sa.delete(self.table).where(s.dw_sink_id == sink_id,
-                                                 s.dw_batch_id <= batch_id))
         return moved
+
+    def discard(self, sink_id: str, batch_id: int) -> int:
+        """Delete the sink's staged rows of ``batch_id`` and older (decided batches)."""
+        s = self.table.c
+        with transaction(self.engine) as conn:
+            result = conn.execute(sa.delete(self.table).where(s.dw_sink_id == sink_id,
+                                                              s.dw_batch_id <= batch_id))
+        return result.rowcount
 
     def purge(self, sink_id: str) -> int:
         """Delete every staged row of the sink (undecided batches are replayed)."""
