@@ -205,3 +205,32 @@ def test_status_in_doubt_and_hanging(engine: sa.Engine, store: StateStore, kconf
         cp.fence(hanging)  # clean up: abort it
     final = dualwrite.status(engine, kconf, prefix=prefix, timeout_s=20)
     assert final.hanging == ()
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_anchor_deleted_by_retention_is_reported_not_guessed(store: StateStore, engine: sa.Engine,
+                                                             kconf: dict[str, Any],
+                                                             bootstrap: str, topic: str) -> None:
+    """The named transaction ended and its anchor record is gone (retention, DeleteRecords):
+    Kafka can no longer say whether it committed, so recovery must neither commit, abort nor
+    call it heuristic; it reports the id as unresolved and keeps the state."""
+    from confluent_kafka import TopicPartition as CKTopicPartition
+    from confluent_kafka.admin import AdminClient
+
+    tid = unique("retention")
+    state = prepare_open(bootstrap, topic, tid, ["gone"], commit=True)
+    decide(store, tid, state)
+    anchor = state.anchor
+    assert anchor is not None
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    futures = admin.delete_records(
+        [CKTopicPartition(anchor.topic, anchor.partition, anchor.offset + 2)])
+    for future in futures.values():
+        future.result(30)
+    report = dualwrite.recover(engine, kconf, [tid], timeout_s=10)
+    (result,) = report.results
+    assert result.outcome is Outcome.FAILED
+    assert "retention" in result.detail
+    assert not report.ok
+    row = store.read(tid)
+    assert row is not None and row.prepared_txn_state == str(state)  # kept for a human
