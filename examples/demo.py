@@ -21,9 +21,9 @@ from collections import Counter
 from pathlib import Path
 
 import sqlalchemy as sa
-from confluent_kafka import Consumer, TopicPartition
 
 import dualwrite as dw
+from dualwrite.dev import read_committed
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -39,27 +39,10 @@ def run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, text=True, **kw)  # type: ignore[call-overload, no-any-return]
 
 
-def read_committed(bootstrap: str, topic: str) -> list[str]:
+def read_committed_ids(bootstrap: str, topic: str) -> list[str]:
     """Every order id a read_committed consumer sees in `topic`, up to the end."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"demo-{uuid.uuid4().hex}",
-                         "isolation.level": "read_committed", "enable.auto.commit": False,
-                         "enable.partition.eof": True, "auto.offset.reset": "earliest"})
-    meta = consumer.list_topics(topic, timeout=10).topics[topic]
-    parts = [TopicPartition(topic, p, 0) for p in meta.partitions]
-    consumer.assign(parts)
-    ids: list[str] = []
-    at_end: set[int] = set()
-    deadline = time.monotonic() + 30
-    while len(at_end) < len(parts) and time.monotonic() < deadline:
-        msg = consumer.poll(0.5)
-        if msg is None:
-            continue
-        if msg.error():
-            at_end.add(msg.partition() or 0)
-            continue
-        ids.append(json.loads(msg.value() or b"{}")["order_id"])
-    consumer.close()
-    return ids
+    records, _ = read_committed(bootstrap, topic, timeout_s=30)
+    return [json.loads(value or b"{}")["order_id"] for _, value in records]
 
 
 def main() -> int:
@@ -118,12 +101,12 @@ def main() -> int:
         engine = dw.create_engine(db)
         with engine.connect() as conn:
             rows = {r[0] for r in conn.execute(sa.select(orders.c.order_id))}
-        seen = read_committed(bootstrap, topic)
+        seen = read_committed_ids(bootstrap, topic)
         counts = Counter(seen)
         duplicates = sum(c - 1 for c in counts.values() if c > 1)
         lost = len(rows - set(counts))
         extra = len(set(counts) - rows)
-        status = dw.status(engine, {"bootstrap.servers": bootstrap})
+        status = dw.status(engine, {"bootstrap.servers": bootstrap}, prefix="order-service")
         open_txns = sum(1 for r in status.rows if r.broker and r.broker.state.in_flight)
         open_txns += len(status.hanging)
         print(f"{'rows in the database':<40}{len(rows):>8}")

@@ -28,11 +28,11 @@ from collections import Counter
 from pathlib import Path
 
 import sqlalchemy as sa
-from confluent_kafka import Consumer, TopicPartition
 
 import dualwrite as dw
 from dualwrite.database import mask_url
 from dualwrite.decision_log import DecisionLog
+from dualwrite.dev import read_committed
 
 HERE = Path(__file__).resolve().parent
 PIPELINE = HERE / "orders_pipeline.py"
@@ -104,26 +104,11 @@ class Pipeline:
 
 def read_committed_ids(bootstrap: str, topic: str) -> list[int]:
     """Every order id (record key) a read_committed consumer sees in ``topic``, up to the end."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"demo-{uuid.uuid4().hex}",
-                         "isolation.level": "read_committed", "enable.auto.commit": False,
-                         "enable.partition.eof": True, "auto.offset.reset": "earliest"})
-    meta = consumer.list_topics(topic, timeout=10).topics[topic]
-    parts = [TopicPartition(topic, p, 0) for p in meta.partitions]
-    consumer.assign(parts)
-    ids: list[int] = []
-    at_end: set[int] = set()
-    deadline = time.monotonic() + 60
-    while len(at_end) < len(parts) and time.monotonic() < deadline:
-        for msg in consumer.consume(10_000, 0.5):
-            if msg.error():
-                at_end.add(msg.partition() or 0)
-            else:
-                ids.append(int(msg.key() or b"-1"))
-    consumer.close()
-    if len(at_end) < len(parts):
-        print(f"warning: partitions {sorted(set(range(len(parts))) - at_end)} not read to the "
-              "end within 60 s (an open transaction holds the last stable offset)")
-    return ids
+    records, unfinished = read_committed(bootstrap, topic, timeout_s=60)
+    if unfinished:
+        print(f"warning: partitions {unfinished} not read to the end within 60 s (an open "
+              "transaction holds the last stable offset)")
+    return [int(key or b"-1") for key, _ in records]
 
 
 def open_transactions(bootstrap: str, sink_id: str) -> list[str]:

@@ -16,6 +16,7 @@ from dualwrite.dev.kafka_cluster import (
     transactional_defaults,
 )
 from dualwrite.dev.postgres_cluster import LocalPostgres
+from dualwrite.dev.verify import read_committed
 
 __all__ = [
     "DEFAULT_KAFKA_VERSION",
@@ -28,5 +29,6 @@ __all__ = [
     "create_topic",
     "docker_available",
     "dualwrite_home",
+    "read_committed",
     "transactional_defaults",
 ]
