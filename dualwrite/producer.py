@@ -138,9 +138,29 @@ class TwoPhaseProducer:
     def _fail(self, exc: BaseException, what: str) -> DualWriteError:
         """Mark the transaction failed and return the exception to raise."""
         self._phase = _Phase.FAILED
-        if not isinstance(exc, KafkaException) and self._fatal is not None:
-            exc = KafkaException(self._fatal)
+        if not isinstance(exc, KafkaException):
+            if self._fatal is None and self._producer is not None:
+                # confluent-kafka can fail a flush with a bare SystemError when librdkafka hit a
+                # fatal error (e.g. fenced) before the error callback was served: serve it now.
+                with contextlib.suppress(KafkaException, SystemError):
+                    self._producer.poll(0)
+            if self._fatal is not None:
+                exc = KafkaException(self._fatal)
+            elif self._fenced_at_coordinator():
+                return ProducerFencedError(f"{what}: {self._ids()} was fenced by a newer "
+                                           "producer of the same transactional id")
         return _translate(exc, what)
+
+    def _fenced_at_coordinator(self) -> bool:
+        ident = self._identity
+        if ident is None:
+            return False
+        try:
+            desc = self._cp.describe_transaction(self._tid)
+        except DualWriteError:
+            return False
+        return desc is not None and (desc.producer_id, desc.epoch) != (ident.producer_id,
+                                                                       ident.epoch)
 
     @property
     def open_for_s(self) -> float:
