@@ -413,16 +413,21 @@ def main() -> int:
         create_table(engine, table, args.value_bytes)
         create_table(engine, tiny_table, args.value_bytes)
 
-        def sink(name: str, topic: str, target: str | None) -> ExactlyOnceSink:
+        def sink(name: str, topic: str, target: str | None,
+                 participants: int | None = None) -> ExactlyOnceSink:
             return ExactlyOnceSink(sink_id=f"bench-{name}-{run}", kafka_config=kafka_config,
                                    topic=topic, database_url=db_url, key_column="key",
                                    value_column="value", target_table=target,
-                                   table_columns=["id", "value"] if target else None)
+                                   table_columns=["id", "value"] if target else None,
+                                   max_participants=participants)
 
+        # The throughput cases run with the sink's default (one participant per core); the
+        # fixed-cost cases keep one participant per partition (--partitions of them).
         sinks = {"kafka": sink("dw", topics["kafka"], None),
                  "kafka+sql": sink("dwsql", topics["kafka+sql"], table)}
-        tiny_sinks = {"kafka": sink("tiny", topics["tiny"], None),
-                      "kafka+sql": sink("tinysql", topics["tiny+sql"], tiny_table)}
+        tiny_sinks = {"kafka": sink("tiny", topics["tiny"], None, args.partitions),
+                      "kafka+sql": sink("tinysql", topics["tiny+sql"], tiny_table,
+                                        args.partitions)}
         log("starting Spark")
         spark = spark_session(args.master, args.partitions, jars)
         stack.callback(spark.stop)

@@ -66,7 +66,9 @@ def main() -> int:
         sink_id=args.sink_id, kafka_config=kafka_config, topic=args.topic,
         database_url=args.db, key_column="key",
         target_table=None if args.kafka_only else "events",
-        table_columns=None if args.kafka_only else ["event_id", "payload"])
+        table_columns=None if args.kafka_only else ["event_id", "payload"],
+        # One participant per partition, so that --partitions changes the participants.
+        max_participants=args.partitions)
 
     def report(batch_id: int, timings: object, records: int) -> None:
         print(f"BATCH {batch_id} {'skipped' if timings is None else 'committed'} {records}",

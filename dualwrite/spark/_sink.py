@@ -37,13 +37,18 @@ class ExactlyOnceSink:
     the value is the row as JSON. SQL (optional): ``target_table`` receives ``table_columns``
     (default: every column of the table) from the batch's rows. ``database_url`` holds the
     decision log, and the target table; the default is an embedded SQLite file, for local mode.
+
+    ``max_participants`` caps the Kafka transactions per batch: the batch is coalesced (no
+    shuffle) to that many tasks. Each participant costs a producer initialisation and a commit,
+    so the default is the cluster's default parallelism: one per core, all of them busy.
     """
 
     def __init__(self, *, sink_id: str, kafka_config: Mapping[str, Any], topic: str,
                  database_url: str = DEFAULT_DATABASE_URL, key_column: str | None = None,
                  value_column: str | None = None, target_table: str | None = None,
                  table_columns: Sequence[str] | None = None, timeout_s: float = 30.0,
-                 batch_attempts: int = 3, migrate: bool = True) -> None:
+                 batch_attempts: int = 3, migrate: bool = True,
+                 max_participants: int | None = None) -> None:
         if "transactional.id" in kafka_config:
             raise FatalError("ExactlyOnceSink assigns transactional ids itself (a pool per sink); "
                              "remove 'transactional.id' from kafka_config")
@@ -58,6 +63,9 @@ class ExactlyOnceSink:
         self._timeout_s = timeout_s
         self._batch_attempts = max(1, batch_attempts)
         self._migrate = migrate
+        if max_participants is not None and max_participants < 1:
+            raise ValueError("max_participants must be at least 1")
+        self._max_participants = max_participants
         self._coordinator: BatchCoordinator | None = None
         self._start_lock = threading.Lock()
         self.recovery: SinkRecovery | None = None
@@ -116,6 +124,8 @@ class ExactlyOnceSink:
                         self.database_url if self.target_table else None, self.target_table,
                         self._table_columns or (), self._timeout_s)
         prepared = self._prepare(df)
+        cap = self._max_participants or df.sparkSession.sparkContext.defaultParallelism
+        prepared = prepared.coalesce(cap)  # no-op when the batch has fewer partitions
         for attempt in range(1, self._batch_attempts + 1):
             rows = prepared.mapInArrow(functools.partial(write_partition, plan),
                                        RESULT_SCHEMA).collect()

@@ -6,10 +6,12 @@ tasks, so the control-plane client and database engines are cached per worker pr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import uuid
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,7 @@ _lock = threading.Lock()
 _control_planes: dict[tuple[tuple[str, str], ...], ControlPlane] = {}
 _staging: dict[tuple[str, str, tuple[str, ...]], StagingTable] = {}
 _engines: dict[str, Engine] = {}
+_starter = ThreadPoolExecutor(1, thread_name_prefix="dualwrite-task-init")
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,17 @@ def _staging_table(plan: TaskPlan) -> StagingTable:
         return table
 
 
+def _start_producer(plan: TaskPlan, tid: str) -> Future[TwoPhaseProducer]:
+    def start() -> TwoPhaseProducer:
+        config = {**plan.producer_config, "transactional.id": tid}
+        producer = TwoPhaseProducer(config, timeout_s=plan.timeout_s,
+                                    control_plane=_control_plane(config, plan.timeout_s))
+        producer.init_transactions()
+        return producer
+
+    return _starter.submit(start)
+
+
 def _as_bytes(values: list[Any]) -> list[bytes | None]:
     return [v.encode() if isinstance(v, str) else v for v in values]
 
@@ -90,25 +104,31 @@ def write_partition(plan: TaskPlan, batches: Iterator[pa.RecordBatch]
     staging = _staging_table(plan) if plan.target_table is not None else None
     tid = transactional_id(plan.sink_id, plan.batch_id, partition_id, attempt)
     attempt_key = uuid.uuid4().hex
+    # InitProducerId runs while the first rows cross from the JVM. It opens no transaction, and
+    # the id's previous owner (batch N-2) was committed before this batch began.
+    starting = _start_producer(plan, tid)
     producer: TwoPhaseProducer | None = None
     records = 0
-    for batch in batches:
-        if batch.num_rows == 0:
-            continue
-        if producer is None:
-            config = {**plan.producer_config, "transactional.id": tid}
-            producer = TwoPhaseProducer(config, timeout_s=plan.timeout_s,
-                                        control_plane=_control_plane(config, plan.timeout_s))
-            producer.init_transactions()
-            producer.begin_transaction()
-            _faults.task_point("producing", partition_id, attempt, plan.batch_id)
-        keys = _as_bytes(batch.column(KEY).to_pylist())
-        values = _as_bytes(batch.column(VALUE).to_pylist())
-        producer.produce_many(plan.topic, zip(keys, values, strict=True))
-        if staging is not None:
-            columns = [batch.column(c).to_pylist() for c in plan.table_columns]
-            staging.write(plan.sink_id, plan.batch_id, attempt_key, zip(*columns, strict=True))
-        records += batch.num_rows
+    try:
+        for batch in batches:
+            if batch.num_rows == 0:
+                continue
+            if producer is None:
+                producer = starting.result()
+                producer.begin_transaction()
+                _faults.task_point("producing", partition_id, attempt, plan.batch_id)
+            keys = _as_bytes(batch.column(KEY).to_pylist())
+            values = _as_bytes(batch.column(VALUE).to_pylist())
+            producer.produce_many(plan.topic, zip(keys, values, strict=True))
+            if staging is not None:
+                columns = [batch.column(c).to_pylist() for c in plan.table_columns]
+                staging.write(plan.sink_id, plan.batch_id, attempt_key,
+                              zip(*columns, strict=True))
+            records += batch.num_rows
+    finally:
+        if producer is None:  # no rows (or failed before any): no transaction was opened
+            with contextlib.suppress(Exception):
+                starting.result().close()
     if producer is None:
         return
     state = producer.prepare_transaction()
