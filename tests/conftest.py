@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import cast
 
 import pytest
+import sqlalchemy as sa
 
 import dualwrite
 from dualwrite.database import normalize_url
@@ -173,3 +174,18 @@ def empty_db_url(backend: str, request: pytest.FixtureRequest) -> Iterator[str]:
         with admin.begin() as conn:
             conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
         admin.dispose()
+
+
+@pytest.fixture
+def db_url(empty_db_url: str) -> str:
+    """``empty_db_url`` with dualwrite's tables (test modules may override it)."""
+    dualwrite.upgrade_database(empty_db_url)
+    return empty_db_url
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[sa.Engine]:
+    """An engine on ``db_url``, disposed after the test."""
+    eng = dualwrite.create_engine(db_url)
+    yield eng
+    eng.dispose()

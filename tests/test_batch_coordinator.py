@@ -30,19 +30,6 @@ class DriverCrash(Exception):
 
 
 @pytest.fixture
-def db_url(empty_db_url: str) -> str:
-    dualwrite.upgrade_database(empty_db_url)
-    return empty_db_url
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[sa.Engine]:
-    eng = dualwrite.create_engine(db_url)
-    yield eng
-    eng.dispose()
-
-
-@pytest.fixture
 def kconf(bootstrap: str) -> dict[str, Any]:
     return {"bootstrap.servers": bootstrap}
 

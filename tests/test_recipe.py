@@ -45,13 +45,6 @@ def db_url(empty_db_url: str) -> str:
 
 
 @pytest.fixture
-def engine(db_url: str) -> Iterator[sa.Engine]:
-    eng = dualwrite.create_engine(db_url)
-    yield eng
-    eng.dispose()
-
-
-@pytest.fixture
 def writers(bootstrap: str) -> Iterator[Callable[..., DualWriter]]:
     """``make(engine, tid, **kw)``: a DualWriter, closed at the end of the test."""
     made: list[DualWriter] = []

@@ -7,7 +7,6 @@ transaction stays Ongoing at the coordinator), and the state table holds what th
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,20 +23,6 @@ from dualwrite import (
 from tests._kafka_helpers import prepare_open, read_committed, unique, wait_for
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def db_url(empty_db_url: str) -> str:
-    """An empty database with dualwrite's tables: a SQLite file or a PostgreSQL schema."""
-    dualwrite.upgrade_database(empty_db_url)
-    return empty_db_url
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[sa.Engine]:
-    eng = dualwrite.create_engine(db_url)
-    yield eng
-    eng.dispose()
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -49,15 +49,6 @@ HOLD_S = 0.6  # how long the first writer keeps the lock in the concurrency test
 def db_url(empty_db_url: str) -> str:
     """URL of an empty database on each backend."""
     return empty_db_url
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[sa.Engine]:
-    eng = create_engine(db_url)
-    try:
-        yield eng
-    finally:
-        eng.dispose()
 
 
 @pytest.fixture
