@@ -189,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     store = CrashingStateStore(engine)
     store.crasher = crasher
     kafka = {"bootstrap.servers": args.bootstrap, "linger.ms": 1}
-    with DualWriter(engine, kafka, transactional_id=args.tid, state_store=store) as writer:
+    # ``after-prepare`` crashes once the coordinator confirmed the prepare: always ask it there.
+    with DualWriter(engine, kafka, transactional_id=args.tid, state_store=store,
+                    verify="always" if crasher.point == "after-prepare" else "auto") as writer:
         install_hooks(writer.producer, engine, crasher)
         for txn in range(args.first_txn, last + 1):
             crasher.txn = txn
