@@ -257,9 +257,6 @@ class BatchCoordinator:
                       exc.detail)
             return exc
 
-    def complete_batch(self, batch_id: int) -> None:
-        self.log.mark_completed(self.sink_id, batch_id)
-
     def sweep(self, keep: Sequence[str] | set[str]) -> list[str]:
         """Abort every open transaction of the sink's id pool except ``keep``."""
         listed = self.cp.list_transactions(states=_OPEN_STATES, prefix=self.sink_id)
@@ -332,7 +329,7 @@ class BatchCoordinator:
         timings.aborted = self.sweep(keep={p.transactional_id for p in participants})
         t5 = time.perf_counter()
         if self.staging is not None:
-            self.staging.discard(self.sink_id, batch_id)
+            self.staging.purge(self.sink_id, up_to_batch=batch_id)
         t6 = time.perf_counter()
         timings.decide_s, timings.commit_s = t2 - t0 - timings.verify_s, t3 - t2
         timings.complete_s, timings.sweep_s, timings.cleanup_s = t4 - t3, t5 - t4, t6 - t5

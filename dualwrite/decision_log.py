@@ -345,7 +345,7 @@ class StagingTable:
                 attempt_keys: Sequence[str]) -> int:
         """In the decision transaction: copy the winners' rows into the target.
 
-        The staged rows are deleted afterwards by :meth:`discard`, outside the decision: a
+        The staged rows are deleted afterwards by :meth:`purge`, outside the decision: a
         decided batch is never published again, so leftovers are only garbage.
         """
         if not conn.in_transaction():
@@ -361,18 +361,15 @@ class StagingTable:
             moved = result.rowcount
         return moved
 
-    def discard(self, sink_id: str, batch_id: int) -> int:
-        """Delete the sink's staged rows of ``batch_id`` and older (decided batches)."""
+    def purge(self, sink_id: str, *, up_to_batch: int | None = None) -> int:
+        """Delete the sink's staged rows: all of them at a start (undecided batches are replayed),
+        or those of ``up_to_batch`` and older once that batch is committed."""
         s = self.table.c
+        condition = s.dw_sink_id == sink_id
+        if up_to_batch is not None:
+            condition = condition & (s.dw_batch_id <= up_to_batch)
         with transaction(self.engine) as conn:
-            result = conn.execute(sa.delete(self.table).where(s.dw_sink_id == sink_id,
-                                                              s.dw_batch_id <= batch_id))
-        return result.rowcount
-
-    def purge(self, sink_id: str) -> int:
-        """Delete every staged row of the sink (undecided batches are replayed)."""
-        with transaction(self.engine) as conn:
-            result = conn.execute(sa.delete(self.table).where(self.table.c.dw_sink_id == sink_id))
+            result = conn.execute(sa.delete(self.table).where(condition))
         return result.rowcount
 
     def count(self, sink_id: str | None = None) -> int:

@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, Producer
-from confluent_kafka import TopicPartition as CTopicPartition
+from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from dualwrite import PreparedTxnState, TwoPhaseProducer
+from dualwrite.dev import read_committed as dev_read_committed
 
 __all__ = [
     "Delivery",
@@ -118,48 +118,13 @@ def first_offsets(deliveries: Iterable[Delivery]) -> dict[int, int]:
 
 
 def read_committed(bootstrap: str, topic: str, timeout_s: float = 15.0) -> list[bytes]:
-    """Every record a read_committed consumer can see now, by reading each partition to its end.
-
-    librdkafka reports end-of-partition at the last stable offset, so this returns as soon as
-    everything committed has been read; it neither waits for nor sees open transactions.
-    """
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": unique("dw-test-reader"),
-            "isolation.level": "read_committed",
-            "enable.auto.commit": False,
-            "enable.partition.eof": True,
-            "auto.offset.reset": "earliest",
-        }
-    )
-    try:
-        md = consumer.list_topics(topic, timeout=10).topics[topic]
-        parts = sorted(md.partitions)
-        consumer.assign([CTopicPartition(topic, p, 0) for p in parts])
-        pending = set(parts)
-        values: list[bytes] = []
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"read_committed of {topic}: no end of partition for "
-                    f"{sorted(pending)} within {timeout_s:g} s"
-                )
-            msg = consumer.poll(0.2)
-            if msg is None:
-                continue
-            error = msg.error()
-            if error is not None:
-                if error.code() == -191:  # _PARTITION_EOF
-                    pending.discard(msg.partition())
-                    continue
-                raise KafkaException(error)
-            pending.add(msg.partition())  # more may follow a record that arrived after EOF
-            values.append(msg.value() or b"")
-        return sorted(values)
-    finally:
-        consumer.close()
+    """Every record value a read_committed consumer can see now, sorted; fails if a partition
+    cannot be read to its end (its last stable offset) within ``timeout_s``."""
+    records, unfinished = dev_read_committed(bootstrap, topic, timeout_s=timeout_s)
+    if unfinished:
+        raise AssertionError(f"read_committed of {topic}: no end of partition for {unfinished} "
+                             f"within {timeout_s:g} s")
+    return sorted(value or b"" for _, value in records)
 
 
 @dataclass

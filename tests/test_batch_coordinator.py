@@ -7,6 +7,8 @@ driver crash is a phase hook that raises; a restarted driver is a new coordinato
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -409,9 +411,6 @@ def test_recover_during_a_running_batch_cannot_abort_a_verified_participant(
         sink: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """`dualwrite recover` racing a live driver: recovery waits for the driver's decision lock,
     so it cannot abort participants between their verification and their commit."""
-    import threading
-    import time
-
     first = [prepare(bootstrap, cp, sink, topic, 0, 0, 0, ["b0"])]
     with coordinator(sink, engine, kconf, cp) as coord:
         coord.finish(0, first)  # the sink now has a decision row to lock
