@@ -104,6 +104,7 @@ class TwoPhaseProducer:
         self._first_offsets: dict[TopicPartition, int] = {}
         self._first_raw: dict[tuple[Any, Any], Any] = {}
         self._delivery_errors: list[str] = []
+        self._delivered = self._record_delivery  # one bound method, not one per record
         self._produced = 0
         self._begun_at = 0.0
         self._prepared: PreparedTxnState | None = None
@@ -273,10 +274,11 @@ class TwoPhaseProducer:
                 timestamp: int = 0,
                 on_delivery: Callable[[KafkaError | None, Message], None] | None = None) -> None:
         """Send one record in the current transaction (asynchronously, like confluent-kafka)."""
-        self._require(_Phase.IN_TRANSACTION, verb="produce")
-        assert self._producer is not None
-
-        delivered: Callable[[KafkaError | None, Message], None] = self._record_delivery
+        if self._phase is not _Phase.IN_TRANSACTION:
+            self._require(_Phase.IN_TRANSACTION, verb="produce")
+        producer = self._producer
+        assert producer is not None
+        delivered = self._delivered
         if on_delivery is not None:
             user_callback = on_delivery
 
@@ -284,24 +286,26 @@ class TwoPhaseProducer:
                 self._record_delivery(err, msg)
                 user_callback(err, msg)
 
-        kwargs: dict[str, Any] = {"value": value, "key": key, "on_delivery": delivered,
-                                  "timestamp": timestamp}
+        # This runs once per record: the common case passes no optional arguments.
+        extra: dict[str, Any] = {}
         if partition is not None:
-            kwargs["partition"] = partition
+            extra["partition"] = partition
         if headers is not None:
-            kwargs["headers"] = headers
+            extra["headers"] = headers
+        if timestamp:
+            extra["timestamp"] = timestamp
         try:
             while True:
                 try:
-                    self._producer.produce(topic, **kwargs)
+                    producer.produce(topic, value, key, on_delivery=delivered, **extra)
                     break
                 except BufferError:
-                    self._producer.poll(0.1)  # local queue full: let deliveries drain
-            if self._produced % 256 == 0:
-                self._producer.poll(0)  # serve delivery reports now and then, not per record
+                    producer.poll(0.1)  # local queue full: let deliveries drain
+            self._produced += 1
+            if not self._produced & 255:
+                producer.poll(0)  # serve delivery reports now and then, not per record
         except (KafkaException, SystemError) as exc:
             raise self._fail(exc, f"produce to {topic}") from exc
-        self._produced += 1
 
     def produce_many(self, topic: str, records: Iterable[tuple[bytes | None, bytes | None]]
                      ) -> int:
@@ -313,7 +317,7 @@ class TwoPhaseProducer:
         self._require(_Phase.IN_TRANSACTION, verb="produce_many")
         assert self._producer is not None
         produce, poll = self._producer.produce, self._producer.poll
-        delivered = self._record_delivery
+        delivered = self._delivered
         count = 0
         try:
             for key, value in records:
@@ -437,6 +441,11 @@ class TwoPhaseProducer:
                 raise _translate(exc, "commit_transaction") from exc
             try:
                 complete(self._cp, self._config, self._tid, state, timeout_s=self._timeout_s)
+            except HeuristicAbortError:
+                # Nothing is open any more; a new session lets the caller go on once it has
+                # dealt with the loss (complete_transaction(state) reports it again until then).
+                self._restart_session_after_heuristic()
+                raise
             except RetriableError as unresolved:
                 raise OutcomeUnknownError(
                     f"commit of {self._ids()} state={state} has an unknown outcome and the "
@@ -469,6 +478,12 @@ class TwoPhaseProducer:
             with contextlib.suppress(KafkaException, SystemError):
                 self._producer.flush(0)  # re-raises a fatal error; the handle is gone anyway
         self._producer = None
+
+    def _restart_session_after_heuristic(self) -> None:
+        try:
+            self._restart_session()
+        except DualWriteError as exc:
+            log.warning("no new session for %s after the heuristic abort: %s", self._ids(), exc)
 
     def _restart_session(self) -> None:
         self._drop_handle()

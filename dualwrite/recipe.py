@@ -22,10 +22,11 @@ from dualwrite.errors import (
     DualWriteError,
     FatalError,
     HeuristicAbortError,
+    TransactionStateError,
 )
 from dualwrite.prepared_state import PreparedTxnState
 from dualwrite.producer import Headers, TwoPhaseProducer
-from dualwrite.state_store import StateStore
+from dualwrite.state_store import StateStore, writer_connection
 
 __all__ = ["DualWriteTransaction", "DualWriter"]
 
@@ -48,8 +49,7 @@ class DualWriteTransaction:
                 key: bytes | str | None = None, *, partition: int | None = None,
                 headers: Headers | None = None) -> None:
         """Send a record in this transaction; it becomes visible iff the rows commit."""
-        self._producer.produce(topic, value=value, key=key, partition=partition,
-                               headers=headers)
+        self._producer.produce(topic, value, key, partition=partition, headers=headers)
 
 
 class DualWriter:
@@ -70,6 +70,8 @@ class DualWriter:
     state-row lock this transaction holds (a fence before it, or a delivery failure, fails the
     flush instead). ``"always"`` asks every time. Either way a commit that Kafka refuses later is
     reported, never ignored (:class:`HeuristicAbortError`).
+
+    The writer keeps one database connection between transactions; :meth:`close` returns it.
     """
 
     def __init__(self, engine: Engine | str, kafka_config: Mapping[str, Any], *,
@@ -92,6 +94,7 @@ class DualWriter:
         self._store = state_store or StateStore(self._engine)
         self._hook = on_heuristic_abort
         self._producer: TwoPhaseProducer | None = None
+        self._conn: Connection | None = None
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix=f"dualwrite-verify-{self._tid}")
 
     @property
@@ -123,6 +126,7 @@ class DualWriter:
                     log.info("could not clear the state of transactional_id=%s: %s", self._tid,
                              exc)
             producer.close()
+        self._drop_connection()
         self._verifier.shutdown(wait=False)
 
     def __enter__(self) -> DualWriter:
@@ -146,31 +150,63 @@ class DualWriter:
     def transaction(self) -> Iterator[DualWriteTransaction]:
         """One atomic unit: rows written with ``tx.connection`` and records from ``tx.produce``."""
         producer = self.producer
-        conn = self._engine.connect()
+        conn, stored = self._begin_and_lock()
         try:
-            db_tx = conn.begin()
+            self._finish_in_doubt(conn, producer, stored)
+            producer.begin_transaction()
+            tx = DualWriteTransaction(conn, producer)
+            yield tx
+            state = producer.flush_and_state()
+            tx.state = state
+            verify = self._needs_verification(producer)
+            if verify:
+                # The coordinator round trip overlaps the state-row write.
+                verified = self._verifier.submit(producer.verify_prepared)
+                self._store.write(conn, self._tid, str(state))
+                verified.result()
+        except BaseException:
             try:
-                stored = self._store.lock(conn, self._tid)
-                self._finish_in_doubt(conn, producer, stored)
-                producer.begin_transaction()
-                tx = DualWriteTransaction(conn, producer)
-                yield tx
-                state = producer.flush_and_state()
-                if self._needs_verification(producer):
-                    # The coordinator round trip overlaps the state-row write.
-                    verified = self._verifier.submit(producer.verify_prepared)
-                    self._store.write(conn, self._tid, str(state))
-                    verified.result()
-                else:
-                    self._store.write(conn, self._tid, str(state))
-                tx.state = state
-            except BaseException:
-                db_tx.rollback()
-                self._abort_quietly(producer)
-                raise
-            self._decide(db_tx, producer, state)
-        finally:
-            conn.close()
+                conn.rollback()
+            except sa.exc.SQLAlchemyError:
+                self._drop_connection()
+            self._abort_quietly(producer)
+            raise
+        try:
+            self._decide(conn, producer, state, state_written=verify)
+        except BaseException:
+            self._drop_connection()  # after a failure mid-commit its state is not known
+            raise
+
+    def _begin_and_lock(self) -> tuple[Connection, str]:
+        """Begin on the writer's connection and lock the state row; returns the stored state.
+
+        The connection is kept between transactions (no pool checkout, no ping). One that died
+        while idle is replaced once: nothing of the transaction has happened yet.
+        """
+        for attempt in (1, 2):
+            if self._conn is None:
+                self._conn = writer_connection(self._engine)
+            conn = self._conn
+            try:
+                conn.begin()
+                return conn, self._store.lock(conn, self._tid)
+            except BaseException as exc:
+                self._drop_connection()
+                lost = isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated
+                if attempt == 2 or not lost:
+                    raise
+                log.info("database connection of transactional_id=%s was lost while idle; "
+                         "reconnecting", self._tid)
+        raise AssertionError("unreachable")
+
+    def _drop_connection(self) -> None:
+        """Let go of the writer's connection; what it held is rolled back, freeing the row lock."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except sa.exc.SQLAlchemyError as exc:
+                log.debug("closing the connection of transactional_id=%s: %s", self._tid, exc)
 
     def _needs_verification(self, producer: TwoPhaseProducer) -> bool:
         if self._verify_mode == "always":
@@ -178,13 +214,21 @@ class DualWriter:
         timeout_ms = producer.transaction_timeout_ms
         return timeout_ms is None or producer.open_for_s * 1000 > timeout_ms / 2
 
-    def _decide(self, db_tx: sa.RootTransaction, producer: TwoPhaseProducer,
-                state: PreparedTxnState) -> None:
+    def _decide(self, conn: Connection, producer: TwoPhaseProducer, state: PreparedTxnState,
+                *, state_written: bool) -> None:
+        """Commit the database (the decision), then Kafka; an unknown DB outcome is asked for."""
         try:
-            db_tx.commit()
+            if state_written:
+                conn.commit()
+            else:  # the state row and the COMMIT in one round trip
+                self._store.write_and_commit(conn, self._tid, str(state))
+        except TransactionStateError:
+            self._abort_quietly(producer)  # the database committed without this decision
+            raise
         except sa.exc.DBAPIError as exc:
             log.warning("database COMMIT of transactional_id=%s state=%s failed (%s); asking the "
                         "database for the outcome", self._tid, state, exc.__class__.__name__)
+            self._drop_connection()  # a failed pipeline can leave the row locked until then
             if not self._database_committed(state):
                 self._abort_quietly(producer)
                 raise

@@ -20,7 +20,8 @@ Recovery reads states outside any writer's transaction (:meth:`StateStore.read`,
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NoReturn
@@ -32,7 +33,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from dualwrite.database import STATE_TABLE, transaction, upgrade_command, uses_begin_immediate
 from dualwrite.errors import FatalError, MigrationRequiredError, TransactionStateError
 
-__all__ = ["MAX_LENGTH", "StateRow", "StateStore"]
+__all__ = ["MAX_LENGTH", "StateRow", "StateStore", "writer_connection"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,55 @@ def _require_transaction(conn: Connection, method: str) -> None:
         )
 
 
+def _psycopg_connection(conn: Connection) -> Any | None:
+    """The psycopg 3 connection under ``conn``, or None for another driver."""
+    if conn.dialect.driver != "psycopg":
+        return None
+    return conn.connection.dbapi_connection  # (driver_connection is None once detached)
+
+
+def writer_connection(engine: Engine) -> Connection:
+    """A connection for a writer that begins each transaction with :meth:`StateStore.lock`.
+
+    On psycopg it leaves the pool (it is closed, not returned, by ``close()``) and runs in the
+    driver's autocommit mode: ``lock()`` then sends the BEGIN in the same round trip as the
+    upsert, which psycopg's own BEGIN would not allow. Other drivers get a plain connection.
+    """
+    conn = engine.connect()
+    raw = _psycopg_connection(conn)
+    if raw is not None:
+        conn.detach()
+        raw.autocommit = True
+    return conn
+
+
+def _begin_statement(raw: Any) -> str:
+    """The BEGIN psycopg would send for the connection's isolation level and access mode."""
+    parts = ["BEGIN"]
+    if raw.isolation_level is not None:
+        parts.append("ISOLATION LEVEL " + raw.isolation_level.name.replace("_", " "))
+    if raw.read_only is not None:
+        parts.append("READ ONLY" if raw.read_only else "READ WRITE")
+    if raw.deferrable is not None:
+        parts.append("DEFERRABLE" if raw.deferrable else "NOT DEFERRABLE")
+    return " ".join(parts)
+
+
+@contextmanager
+def _as_sqlalchemy_errors(conn: Connection, raw: Any, statement: str) -> Iterator[None]:
+    """Raise psycopg errors of statements sent past SQLAlchemy the way SQLAlchemy would."""
+    import psycopg
+
+    try:
+        yield
+    except psycopg.Error as exc:
+        lost = bool(raw.closed or raw.broken)
+        if lost:
+            conn.invalidate(exc)
+        raise sa.exc.DBAPIError.instance(statement, None, exc, psycopg.Error,
+                                         connection_invalidated=lost) from exc
+
+
 class StateStore:
     """Reads and writes ``dualwrite_transaction_state`` (or another table of the same shape)."""
 
@@ -103,6 +153,15 @@ class StateStore:
             sa.Column("prepared_txn_state", sa.String(MAX_LENGTH), nullable=False),
             sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
         )
+        # psycopg's pipeline mode sends these past SQLAlchemy (see _lock_pipelined).
+        quoted = '"' + table.replace('"', '""') + '"'  # the name SQLAlchemy's Table means
+        self._pg_lock_sql = (
+            f"INSERT INTO {quoted} (transactional_id, prepared_txn_state, updated_at) "
+            "VALUES (%s, '', %s) ON CONFLICT (transactional_id) "
+            "DO UPDATE SET transactional_id = EXCLUDED.transactional_id "
+            "RETURNING prepared_txn_state")
+        self._pg_write_sql = (f"UPDATE {quoted} SET prepared_txn_state = %s, updated_at = %s "
+                              "WHERE transactional_id = %s")
 
     # -- inside the caller's transaction -------------------------------------------------------
 
@@ -119,7 +178,9 @@ class StateStore:
         t, tid = self.table, transactional_id
         try:
             state: str
-            if conn.dialect.name == "postgresql":
+            if _psycopg_connection(conn) is not None:
+                state = self._lock_pipelined(conn, tid)
+            elif conn.dialect.name == "postgresql":
                 # One round trip: the upsert takes the row lock (like FOR UPDATE) and returns the
                 # stored state unchanged.
                 upsert = (postgresql.insert(t)
@@ -159,6 +220,55 @@ class StateStore:
                 "call lock() in the same transaction before write()"
             )
         logger.debug("wrote state %r for transactional id %r", state, transactional_id)
+
+    def write_and_commit(self, conn: Connection, transactional_id: str, state: str) -> None:
+        """Store ``state`` and commit the caller's transaction: the recipe's decision.
+
+        On psycopg the UPDATE and the COMMIT travel in one round trip (pipeline mode), so
+        SQLAlchemy's ``commit`` event fires only after the database committed. Any error leaves
+        the outcome to be asked (the COMMIT may have been applied).
+        """
+        raw = _psycopg_connection(conn)
+        if raw is None:
+            self.write(conn, transactional_id, state)
+            conn.commit()
+            return
+        _check("transactional_id", transactional_id, allow_empty=False)
+        _check("state", state, allow_empty=True)
+        _require_transaction(conn, "write_and_commit")
+        try:
+            with _as_sqlalchemy_errors(conn, raw, self._pg_write_sql + "; COMMIT"):
+                with raw.pipeline():  # one Sync for both (raw.commit() would add its own)
+                    cursor = raw.execute(self._pg_write_sql,
+                                         (state, datetime.now(UTC), transactional_id))
+                    raw.execute("COMMIT")
+                written = cursor.rowcount
+        except sa.exc.DBAPIError as exc:
+            self._reraise(conn, exc)
+        conn.commit()  # SQLAlchemy's bookkeeping; the driver has nothing left to commit
+        if written != 1:
+            raise TransactionStateError(
+                f"the state row of transactional id {transactional_id!r} was gone at commit "
+                "(deleted inside the transaction?): the database committed without the decision"
+            )
+        logger.debug("wrote state %r for transactional id %r and committed", state,
+                     transactional_id)
+
+    def _lock_pipelined(self, conn: Connection, transactional_id: str) -> str:
+        """:meth:`lock` on psycopg: the driver's BEGIN and the upsert in one round trip."""
+        from psycopg.pq import TransactionStatus
+
+        raw: Any = _psycopg_connection(conn)
+        with _as_sqlalchemy_errors(conn, raw, self._pg_lock_sql):
+            with raw.pipeline():
+                if raw.autocommit and raw.info.transaction_status == TransactionStatus.IDLE:
+                    # A writer connection (see writer_connection): the BEGIN travels with the lock
+                    # instead of making its own round trip.
+                    raw.execute(_begin_statement(raw))
+                cursor = raw.execute(self._pg_lock_sql, (transactional_id, datetime.now(UTC)))
+            row = cursor.fetchone()
+        assert row is not None  # the upsert always returns its row
+        return str(row[0])
 
     # -- own short transactions ----------------------------------------------------------------
 

@@ -100,14 +100,22 @@ class CrashingStateStore(StateStore):
             crasher.insert_rows(conn)
         super().write(conn, transactional_id, state)
 
+    def write_and_commit(self, conn: Connection, transactional_id: str, state: str) -> None:
+        if self.crasher.at("after-state-row"):
+            # The state row is written (not pipelined with the COMMIT, so there is a moment to
+            # die in); the COMMIT never comes.
+            self.write(conn, transactional_id, state)
+            stop_here("after-state-row")
+        super().write_and_commit(conn, transactional_id, state)
+
 
 def wrap(obj: Any, name: str, around: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     """Replace the bound method ``obj.name`` by ``around(original)`` on this instance only."""
     setattr(obj, name, around(getattr(obj, name)))
 
 
-def install_hooks(producer: TwoPhaseProducer, engine: sa.Engine, crasher: Crasher) -> None:
-    """Wrap the producer's verbs and the DB commit with the crash points."""
+def install_hooks(producer: TwoPhaseProducer, crasher: Crasher) -> None:
+    """Wrap the producer's verbs with the crash points (the state store has the DB's)."""
 
     def begin(original: Callable[[], None]) -> Callable[[], None]:
         def hooked() -> None:
@@ -149,11 +157,6 @@ def install_hooks(producer: TwoPhaseProducer, engine: sa.Engine, crasher: Crashe
     wrap(producer, "verify_prepared", verify)
     wrap(producer, "commit_transaction", commit)
 
-    @sa.event.listens_for(engine, "commit")
-    def before_db_commit(conn: Connection) -> None:  # fires before the DBAPI COMMIT
-        if crasher.at("after-state-row"):
-            stop_here("after-state-row")
-
 
 def wait_until_in_log(producer: TwoPhaseProducer, timeout_s: float = 20.0) -> None:
     """Block until the open transaction has a record in a partition's log (``mid-produce``)."""
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     # ``after-prepare`` crashes once the coordinator confirmed the prepare: always ask it there.
     with DualWriter(engine, kafka, transactional_id=args.tid, state_store=store,
                     verify="always" if crasher.point == "after-prepare" else "auto") as writer:
-        install_hooks(writer.producer, engine, crasher)
+        install_hooks(writer.producer, crasher)
         for txn in range(args.first_txn, last + 1):
             crasher.txn = txn
             crasher.verified.clear()

@@ -212,36 +212,59 @@ def test_two_writers_one_transactional_id_stale_one_is_fenced(
 # -- database connection lost during COMMIT (PostgreSQL) ------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
-def test_connection_killed_before_commit_resolves_by_asking_db(
-        writers: Any, engine: sa.Engine, bootstrap: str, topic: str, db_url: str) -> None:
-    """pg_terminate_backend of the writer's own session right before COMMIT: the COMMIT fails,
-    the writer asks the database (which did not commit) and aborts Kafka: neither side."""
-    writer = writers(engine, unique("recipe-kill"))
-    write(writer, topic, ["kept"])
+def _kill_backend(db_url: str, pid: int) -> None:
     plain_url = normalize_url(db_url).set(drivername="postgresql").render_as_string(
         hide_password=False)
-    armed = {"on": True, "killed": 0}
+    with psycopg.connect(plain_url, autocommit=True) as killer:
+        killer.execute("SELECT pg_terminate_backend(%s)", (pid,))
 
-    def kill_own_backend(conn: sa.Connection) -> None:
-        if not armed["on"]:
-            return
-        armed["on"] = False
-        pid = conn.connection.dbapi_connection.info.backend_pid  # type: ignore[union-attr]
-        with psycopg.connect(plain_url, autocommit=True) as killer:
-            killer.execute("SELECT pg_terminate_backend(%s)", (pid,))
-            armed["killed"] = pid
 
-    sa.event.listen(engine, "commit", kill_own_backend)
-    try:
-        with pytest.raises(sa.exc.DBAPIError):
-            write(writer, topic, ["lost-1", "lost-2"])
-    finally:
-        sa.event.remove(engine, "commit", kill_own_backend)
-    assert armed["killed"]
+def _backend_pid(conn: sa.Connection) -> int:
+    return int(conn.connection.dbapi_connection.info.backend_pid)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_connection_killed_before_commit_resolves_by_asking_db(
+        writers: Any, engine: sa.Engine, bootstrap: str, topic: str, db_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """pg_terminate_backend of the writer's own session right before the state row and COMMIT
+    (one pipelined round trip) go out: they fail, the writer asks the database (which did not
+    commit) and aborts Kafka: neither side."""
+    writer = writers(engine, unique("recipe-kill"))
+    write(writer, topic, ["kept"])
+    real = StateStore.write_and_commit
+    killed: list[int] = []
+
+    def kill_then_write_and_commit(self: StateStore, conn: sa.Connection, tid: str,
+                                   state: str) -> None:
+        if not killed:
+            killed.append(_backend_pid(conn))
+            _kill_backend(db_url, killed[0])
+        real(self, conn, tid, state)
+
+    monkeypatch.setattr(StateStore, "write_and_commit", kill_then_write_and_commit)
+    with pytest.raises(sa.exc.DBAPIError) as failed:
+        write(writer, topic, ["lost-1", "lost-2"])
+    assert killed and failed.value.connection_invalidated
+    monkeypatch.undo()
     # The writer carries on with a new connection.
     write(writer, topic, ["next"])
     assert assert_invariant(engine, bootstrap, topic) == [b"kept", b"next"]
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_connection_lost_while_idle_is_replaced(
+        writers: Any, engine: sa.Engine, bootstrap: str, topic: str, db_url: str) -> None:
+    """The writer keeps its connection between transactions; when the server dropped it
+    meanwhile, the next transaction reconnects before anything happened and goes through."""
+    writer = writers(engine, unique("recipe-idle"))
+    write(writer, topic, ["first"])
+    held = writer._conn
+    assert held is not None
+    _kill_backend(db_url, _backend_pid(held))
+    write(writer, topic, ["second"])
+    assert writer._conn is not held
+    assert assert_invariant(engine, bootstrap, topic) == [b"first", b"second"]
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
@@ -251,18 +274,18 @@ def test_commit_error_after_db_committed_still_commits_kafka(
     """The COMMIT reached the database but the answer was lost (simulated): the writer asks the
     database, learns it committed, and commits Kafka: both sides."""
     writer = writers(engine, unique("recipe-lostack"))
-    _ = writer.producer  # registers the id (its own commit) before the fault is armed
-    dialect = engine.dialect
-    real_commit = dialect.do_commit
+    real = StateStore.write_and_commit
     armed = {"on": True}
 
-    def commit_then_lose_answer(dbapi_connection: Any) -> None:
-        real_commit(dbapi_connection)
+    def commit_then_lose_answer(self: StateStore, conn: sa.Connection, tid: str,
+                                state: str) -> None:
+        real(self, conn, tid, state)
         if armed["on"]:
             armed["on"] = False
-            raise psycopg.OperationalError("server closed the connection unexpectedly")
+            raise sa.exc.OperationalError("COMMIT", None, psycopg.OperationalError(
+                "server closed the connection unexpectedly"))
 
-    monkeypatch.setattr(dialect, "do_commit", commit_then_lose_answer)
+    monkeypatch.setattr(StateStore, "write_and_commit", commit_then_lose_answer)
     write(writer, topic, ["acked-late"])  # no exception: the outcome was resolved
     assert not armed["on"]
     monkeypatch.undo()
@@ -341,6 +364,39 @@ def test_heuristic_abort_hook_called_and_writer_continues(
     assert len(calls) == 1  # resolved: not called again
     assert read_committed(bootstrap, topic) == [b"after", b"after2"]
     assert rows(engine) == [b"after", b"after2", b"h1", b"h2"]
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_heuristic_abort_between_the_two_commits_is_reported_then_hooked(
+        writers: Any, engine: sa.Engine, bootstrap: str, topic: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broker aborts a transaction after the database committed it and before Kafka's commit
+    (it outlived transaction.timeout.ms in between): the block raises HeuristicAbortError, and the
+    same writer's next transaction hands the loss to the hook, then goes on."""
+    calls: list[HeuristicAbortError] = []
+    tid = unique("recipe-late")
+    writer = writers(engine, tid, {"transaction.timeout.ms": 2000},
+                     on_heuristic_abort=lambda exc, conn: calls.append(exc))
+    write(writer, topic, ["before"])
+    producer = writer.producer
+    real_commit = producer.commit_transaction
+
+    def late_commit() -> None:
+        with ControlPlane({"bootstrap.servers": bootstrap}, timeout_s=10) as cp:
+            wait_for(lambda: (d := cp.describe_transaction(tid)) is not None
+                     and d.state is TxnState.COMPLETE_ABORT, 20, interval_s=0.25,
+                     what="the broker to abort the timed-out transaction")
+        real_commit()
+
+    monkeypatch.setattr(producer, "commit_transaction", late_commit)
+    with pytest.raises(HeuristicAbortError) as lost:
+        write(writer, topic, ["late"])
+    monkeypatch.undo()
+    assert lost.value.transactional_id == tid and calls == []
+    write(writer, topic, ["after"])
+    assert [c.state for c in calls] == [lost.value.state]
+    assert rows(engine) == [b"after", b"before", b"late"]
+    assert read_committed(bootstrap, topic) == [b"after", b"before"]
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)

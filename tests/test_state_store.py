@@ -35,7 +35,7 @@ from dualwrite.errors import (
     MigrationRequiredError,
     TransactionStateError,
 )
-from dualwrite.state_store import MAX_LENGTH, StateRow, StateStore
+from dualwrite.state_store import MAX_LENGTH, StateRow, StateStore, writer_connection
 
 #: The newest schema revision (0002 added the batch sinks' decision log).
 HEAD = "0002"
@@ -308,11 +308,14 @@ def test_length_limits(engine: sa.Engine, store: StateStore) -> None:
 # -- the lock --------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("a_connection", ["pooled", "writer"])
 @pytest.mark.parametrize("row_exists", [True, False], ids=["existing-row", "first-use"])
 def test_two_writers_of_one_transactional_id_serialize(
-    engine: sa.Engine, store: StateStore, row_exists: bool
+    engine: sa.Engine, store: StateStore, row_exists: bool, a_connection: str
 ) -> None:
-    """Writer B's lock waits until writer A commits, then B sees A's state."""
+    """Writer B's lock waits until writer A commits, then B sees A's state. Writer A runs on a
+    pooled connection or on a DualWriter's (on psycopg: autocommit mode, BEGIN sent with the
+    lock, state and COMMIT in one round trip)."""
     tid = "orders-7"
     if row_exists:
         with engine.begin() as conn:
@@ -330,6 +333,18 @@ def test_two_writers_of_one_transactional_id_serialize(
     seen: dict[str, str] = {}
 
     def writer_a() -> None:
+        if a_connection == "writer":
+            with writer_connection(engine) as conn:
+                conn.begin()
+                seen["a"] = store.lock(conn, tid)
+                note("a locked")
+                a_locked.set()
+                assert b_trying.wait(10)
+                time.sleep(HOLD_S)  # B must stay blocked all this time
+                note("a commits")
+                store.write_and_commit(conn, tid, "from-a")
+            note("a committed")
+            return
         with engine.begin() as conn:
             seen["a"] = store.lock(conn, tid)
             note("a locked")
@@ -364,6 +379,36 @@ def test_two_writers_of_one_transactional_id_serialize(
     assert seen == {"a": expected_first, "b": "from-a"}
     row = store.read(tid)
     assert row is not None and row.prepared_txn_state == "from-b"
+
+
+def test_write_and_commit_refuses_a_vanished_state_row(engine: sa.Engine,
+                                                      store: StateStore) -> None:
+    with writer_connection(engine) as conn:
+        conn.begin()
+        store.lock(conn, "gone")
+        conn.execute(sa.delete(store.table).where(store.table.c.transactional_id == "gone"))
+        with pytest.raises(TransactionStateError, match="gone"):
+            store.write_and_commit(conn, "gone", "1000:0@t-0:5")
+    assert store.read("gone") is None
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_writer_connection_begins_with_the_engines_isolation_level(db_url: str) -> None:
+    engine = create_engine(db_url, isolation_level="REPEATABLE READ")
+    try:
+        upgrade_database(engine)
+        store = StateStore(engine)
+        with writer_connection(engine) as conn:
+            for _ in range(2):  # and again after the first commit
+                conn.begin()
+                store.lock(conn, "iso")
+                level = conn.exec_driver_sql("SHOW transaction_isolation").scalar_one()
+                assert level == "repeatable read"
+                store.write_and_commit(conn, "iso", "")
+        row = store.read("iso")
+        assert row is not None and row.prepared_txn_state == ""
+    finally:
+        engine.dispose()
 
 
 def test_other_transactional_ids_and_readers_do_not_wait_for_the_lock(
