@@ -3,14 +3,16 @@
 The KIP-939 recipe keeps, per transactional id, the prepared-state string of the Kafka transaction
 that the last committed database transaction decided to commit. A writer
 
-1. locks the row inside its database transaction with :meth:`StateStore.lock` (on PostgreSQL
-   ``INSERT ... ON CONFLICT DO NOTHING`` then ``SELECT ... FOR UPDATE``; on SQLite the transaction
-   already holds the database write lock through ``BEGIN IMMEDIATE``). The lock is the guard against
+1. locks the row inside its database transaction with :meth:`StateStore.lock` (on PostgreSQL an
+   upsert that takes the row lock and returns the stored state; on SQLite the transaction already
+   holds the database write lock through ``BEGIN IMMEDIATE``). The lock is the guard against
    zombies and split brain: two writers of one transactional id run one after the other, and the
    second sees what the first decided;
-2. writes its application rows, prepares the Kafka transaction and stores the new state with
-   :meth:`StateStore.write` in the same database transaction; the database commit is the decision.
+2. writes its application rows, prepares the Kafka transaction and stores the new state in the
+   same database transaction, :meth:`StateStore.write_and_commit` (or :meth:`StateStore.write`
+   then its own commit); the database commit is the decision.
 
+On psycopg both steps cost one round trip each (pipeline mode, :func:`writer_connection`).
 See docs/sql.md.
 
 Recovery reads states outside any writer's transaction (:meth:`StateStore.read`,
