@@ -71,7 +71,9 @@ class DualWriter:
     flush instead). ``"always"`` asks every time. Either way a commit that Kafka refuses later is
     reported, never ignored (:class:`HeuristicAbortError`).
 
-    The writer keeps one database connection between transactions; :meth:`close` returns it.
+    ``linger.ms`` defaults to 0 (unless ``kafka_config`` sets it): the records travel while the
+    rows are written. The writer keeps one database connection between transactions (see
+    :func:`~dualwrite.state_store.writer_connection`); :meth:`close` closes it.
     """
 
     def __init__(self, engine: Engine | str, kafka_config: Mapping[str, Any], *,
@@ -84,6 +86,10 @@ class DualWriter:
         self._verify_mode = verify
         self._engine = create_engine(engine) if isinstance(engine, str) else engine
         config = dict(kafka_config)
+        if "linger.ms" not in config and "queue.buffering.max.ms" not in config:
+            # Records leave at once, in flight while the block writes its rows; librdkafka's
+            # default (5 ms) would hold them until the prepare's flush.
+            config["linger.ms"] = 0
         if transactional_id is not None:
             config["transactional.id"] = transactional_id
         if not config.get("transactional.id"):

@@ -125,6 +125,18 @@ def test_body_exception_rolls_back_both(writers: Any, engine: sa.Engine, bootstr
     assert assert_invariant(engine, bootstrap, topic) == [b"after", b"before"]
 
 
+def test_records_leave_at_once_unless_linger_is_configured(sqlite_url: str) -> None:
+    """linger.ms defaults to 0 so that records are in flight while the block writes its rows."""
+    engine = dualwrite.create_engine(sqlite_url)
+    default = DualWriter(engine, {"bootstrap.servers": "127.0.0.1:1"}, transactional_id="a")
+    chosen = DualWriter(engine, {"bootstrap.servers": "127.0.0.1:1", "linger.ms": 7},
+                        transactional_id="b")
+    assert default._config["linger.ms"] == 0 and chosen._config["linger.ms"] == 7
+    default.close()
+    chosen.close()
+    engine.dispose()
+
+
 def test_missing_migrations(empty_db_url: str, writers: Any) -> None:
     engine = dualwrite.create_engine(empty_db_url)
     try:
