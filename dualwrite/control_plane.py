@@ -216,6 +216,9 @@ class ControlPlane:
         kp["request_timeout_ms"] = int(timeout_s * 1000)
         kp["bootstrap_timeout_ms"] = int(timeout_s * 1000)
         kp["reconnect_backoff_max_ms"] = 1000
+        # Recovery's threads share a connection per broker: let their requests queue on the wire
+        # rather than in the client (kafka-python's default allows 5 in flight).
+        kp.setdefault("max_in_flight_requests_per_connection", 32)
         self._servers = ",".join(kp["bootstrap_servers"])
         try:
             self._admin = KafkaAdminClient(**kp)
