@@ -119,6 +119,10 @@ def main(verbose: int) -> None:
     """
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if verbose < 2:
+        # kafka-python logs every failed connection attempt; the command's own message says what
+        # failed and what to do.
+        logging.getLogger("kafka").setLevel(logging.CRITICAL)
 
 
 @main.command()
