@@ -187,8 +187,8 @@ class DecisionLog:
         """Record the decision to commit ``batch_id``; False if it (or a later one) was decided.
 
         In the same transaction the winning attempts' staged rows are published into the target
-        table. ``verify`` runs
-        under the sink's lock before anything is written; if it raises, nothing is decided.
+        table. ``verify`` runs under the sink's lock before anything is written; if it raises,
+        nothing is decided.
         """
         now = datetime.now(UTC)
         try:

@@ -180,8 +180,9 @@ class StateStore:
         t, tid = self.table, transactional_id
         try:
             state: str
-            if _psycopg_connection(conn) is not None:
-                state = self._lock_pipelined(conn, tid)
+            raw = _psycopg_connection(conn)
+            if raw is not None:
+                state = self._lock_pipelined(conn, raw, tid)
             elif conn.dialect.name == "postgresql":
                 # One round trip: the upsert takes the row lock (like FOR UPDATE) and returns the
                 # stored state unchanged.
@@ -256,11 +257,11 @@ class StateStore:
         logger.debug("wrote state %r for transactional id %r and committed", state,
                      transactional_id)
 
-    def _lock_pipelined(self, conn: Connection, transactional_id: str) -> str:
-        """:meth:`lock` on psycopg: the driver's BEGIN and the upsert in one round trip."""
+    def _lock_pipelined(self, conn: Connection, raw: Any, transactional_id: str) -> str:
+        """:meth:`lock` on psycopg (``raw`` under ``conn``): BEGIN and the upsert in one round
+        trip."""
         from psycopg.pq import TransactionStatus
 
-        raw: Any = _psycopg_connection(conn)
         with _as_sqlalchemy_errors(conn, raw, self._pg_lock_sql):
             with raw.pipeline():
                 if raw.autocommit and raw.info.transaction_status == TransactionStatus.IDLE:
