@@ -250,7 +250,8 @@ def _state_table_present(engine: Engine) -> bool:
         if not inspector.has_table(STATE_TABLE):
             return False
         columns = {c["name"] for c in inspector.get_columns(STATE_TABLE)}
-    return {"transactional_id", "prepared_txn_state", "updated_at"} <= columns
+    return {"transactional_id", "prepared_txn_state", "updated_at",
+            "fencing_generation"} <= columns
 
 
 def check_schema(engine: Engine) -> None:

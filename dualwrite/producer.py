@@ -147,12 +147,14 @@ class TwoPhaseProducer:
                     self._producer.poll(0)
             if self._fatal is not None:
                 exc = KafkaException(self._fatal)
-            elif self._fenced_at_coordinator():
+            elif self.fenced_at_coordinator():
                 return ProducerFencedError(f"{what}: {self._ids()} was fenced by a newer "
                                            "producer of the same transactional id")
         return _translate(exc, what)
 
-    def _fenced_at_coordinator(self) -> bool:
+    def fenced_at_coordinator(self) -> bool:
+        """Whether the coordinator now has another producer id or epoch for this id (a newer
+        producer fenced this one); False when that cannot be told."""
         ident = self._identity
         if ident is None:
             return False
@@ -167,6 +169,11 @@ class TwoPhaseProducer:
     def open_for_s(self) -> float:
         """Seconds since :meth:`begin_transaction` (an upper bound of the coordinator's age)."""
         return time.monotonic() - self._begun_at if self.has_open_transaction else 0.0
+
+    @property
+    def ready(self) -> bool:
+        """A session is running and no transaction is open: :meth:`begin_transaction` may run."""
+        return self._phase is _Phase.READY
 
     @property
     def has_open_transaction(self) -> bool:
@@ -278,34 +285,47 @@ class TwoPhaseProducer:
             self._require(_Phase.IN_TRANSACTION, verb="produce")
         producer = self._producer
         assert producer is not None
-        delivered = self._delivered
-        if on_delivery is not None:
-            user_callback = on_delivery
-
-            def delivered(err: KafkaError | None, msg: Message) -> None:
-                self._record_delivery(err, msg)
-                user_callback(err, msg)
-
-        # This runs once per record: the common case passes no optional arguments.
-        extra: dict[str, Any] = {}
-        if partition is not None:
-            extra["partition"] = partition
-        if headers is not None:
-            extra["headers"] = headers
-        if timestamp:
-            extra["timestamp"] = timestamp
         try:
-            while True:
+            if partition is None and headers is None and not timestamp and on_delivery is None:
+                # Once per record: the common case goes straight to librdkafka.
                 try:
-                    producer.produce(topic, value, key, on_delivery=delivered, **extra)
-                    break
+                    producer.produce(topic, value, key, on_delivery=self._delivered)
                 except BufferError:
-                    producer.poll(0.1)  # local queue full: let deliveries drain
+                    self._produce_when_room(topic, value, key, {})
+            else:
+                extra: dict[str, Any] = {}
+                if partition is not None:
+                    extra["partition"] = partition
+                if headers is not None:
+                    extra["headers"] = headers
+                if timestamp:
+                    extra["timestamp"] = timestamp
+                if on_delivery is not None:
+                    user_callback = on_delivery
+
+                    def delivered(err: KafkaError | None, msg: Message) -> None:
+                        self._record_delivery(err, msg)
+                        user_callback(err, msg)
+
+                    extra["on_delivery"] = delivered
+                self._produce_when_room(topic, value, key, extra)
             self._produced += 1
             if not self._produced & 255:
                 producer.poll(0)  # serve delivery reports now and then, not per record
         except (KafkaException, SystemError) as exc:
             raise self._fail(exc, f"produce to {topic}") from exc
+
+    def _produce_when_room(self, topic: str, value: bytes | str | None,
+                           key: bytes | str | None, extra: dict[str, Any]) -> None:
+        """Produce, waiting for deliveries to drain while librdkafka's local queue is full."""
+        assert self._producer is not None
+        extra.setdefault("on_delivery", self._delivered)
+        while True:
+            try:
+                self._producer.produce(topic, value, key, **extra)
+                return
+            except BufferError:
+                self._producer.poll(0.1)
 
     def produce_many(self, topic: str, records: Iterable[tuple[bytes | None, bytes | None]]
                      ) -> int:

@@ -3,6 +3,11 @@
 Per transaction: lock the state row; finish whatever the stored state says is in doubt; begin the
 Kafka transaction; the application writes rows and produces records; prepare; write the new state
 in the same database transaction; **the database commit is the decision**; commit Kafka.
+
+Once a writer's session is established, the lock waits for the block's first use of the database:
+records produced before it are on their way while it is taken, and the row's fencing generation,
+read under the lock, tells whether anyone could have ended or fenced their transaction meanwhile
+(then it starts over; see "Claims" in docs/design.md).
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from dualwrite.errors import (
     DualWriteError,
     FatalError,
     HeuristicAbortError,
+    ProducerFencedError,
+    RetriableError,
     TransactionStateError,
 )
 from dualwrite.prepared_state import PreparedTxnState
 from dualwrite.producer import Headers, TwoPhaseProducer
-from dualwrite.state_store import StateStore, writer_connection
+from dualwrite.state_store import StateRow, StateStore, writer_connection
 
 __all__ = ["DualWriteTransaction", "DualWriter"]
 
@@ -34,22 +41,43 @@ log = logging.getLogger(__name__)
 
 HeuristicHook = Callable[[HeuristicAbortError, Connection], None]
 
+# How often a writer claims its id again when another process claimed it in between.
+_CLAIM_ATTEMPTS = 5
+
+_Record = tuple[str, "bytes | str | None", "bytes | str | None", "int | None", "Headers | None"]
+
 
 class DualWriteTransaction:
     """Handle for the body of ``DualWriter.transaction()``: a DB connection and ``produce``."""
 
-    def __init__(self, connection: Connection, producer: TwoPhaseProducer) -> None:
-        self.connection = connection
-        """The SQLAlchemy connection of the database transaction; write your rows with it."""
+    def __init__(self, connection: Connection | None, producer: TwoPhaseProducer,
+                 take_lock: Callable[[DualWriteTransaction], None] | None = None) -> None:
+        self._connection = connection
         self._producer = producer
+        self._take_lock = take_lock
+        self._unlocked: list[_Record] = []
         self.state: PreparedTxnState | None = None
         """The prepared state, set once the block has prepared (for logging and tests)."""
+
+    @property
+    def connection(self) -> Connection:
+        """The SQLAlchemy connection of the database transaction; write your rows with it.
+
+        The first use may take the state-row lock: produce first, then write rows, and the
+        lock's round trip overlaps the records' flight.
+        """
+        if self._take_lock is not None:
+            self._take_lock(self)
+        assert self._connection is not None
+        return self._connection
 
     def produce(self, topic: str, value: bytes | str | None = None,
                 key: bytes | str | None = None, *, partition: int | None = None,
                 headers: Headers | None = None) -> None:
         """Send a record in this transaction; it becomes visible iff the rows commit."""
         self._producer.produce(topic, value, key, partition=partition, headers=headers)
+        if self._take_lock is not None:  # sent again should the transaction start over
+            self._unlocked.append((topic, value, key, partition, headers))
 
 
 class DualWriter:
@@ -66,10 +94,13 @@ class DualWriter:
     still open under this producer's epoch. ``"auto"`` (default) asks only when the answer is in
     question: when the transaction has been open for more than half its
     ``transaction.timeout.ms``. Younger, nothing can have ended it: the broker cannot have timed
-    it out, and fencing it takes a writer of the same transactional id, which waits for the
-    state-row lock this transaction holds (a fence before it, or a delivery failure, fails the
-    flush instead). ``"always"`` asks every time. Either way a commit that Kafka refuses later is
-    reported, never ignored (:class:`HeuristicAbortError`).
+    it out, and ending or fencing it takes a writer of the same transactional id or recovery,
+    which claim the id first (:meth:`StateStore.claim`) and act only under the state-row lock.
+    A claim before the lock was granted shows in the row's fencing generation, and the writer
+    starts the transaction over (aborting it and sending its records again); a fence that
+    comes earlier, or a delivery failure, fails the flush instead. ``"always"`` asks every time.
+    Either way a commit that Kafka refuses later is reported, never ignored
+    (:class:`HeuristicAbortError`).
 
     ``linger.ms`` defaults to 0 (unless ``kafka_config`` sets it): the records travel while the
     rows are written. The writer keeps one database connection between transactions (see
@@ -101,7 +132,13 @@ class DualWriter:
         self._hook = on_heuristic_abort
         self._producer: TwoPhaseProducer | None = None
         self._conn: Connection | None = None
-        self._verifier = ThreadPoolExecutor(1, thread_name_prefix=f"dualwrite-verify-{self._tid}")
+        self._claimed: int | None = None
+        """The fencing generation this writer claimed when its session started."""
+        self._generation: int | None = None
+        """The claim, once seen under the lock: no one has acted on the id since."""
+        self._settled = ""
+        """The stored state this writer last finished or committed itself."""
+        self._helper = ThreadPoolExecutor(1, thread_name_prefix=f"dualwrite-{self._tid}")
 
     @property
     def transactional_id(self) -> str:
@@ -110,11 +147,10 @@ class DualWriter:
     @property
     def producer(self) -> TwoPhaseProducer:
         if self._producer is None:
-            # Register the id (an empty state row, committed) before any Kafka transaction can
-            # open under it, so that recovery, which visits state rows, finds a crash in the very
-            # first transaction too.
-            with transaction(self._engine) as conn:
-                self._store.lock(conn, self._tid)
+            # Claim the id (its state row, committed) before the session can act on Kafka: it
+            # creates the row, so that recovery, which visits state rows, finds a crash in the
+            # very first transaction too.
+            self._claim()
             producer = TwoPhaseProducer(self._config, timeout_s=self._timeout_s)
             producer.init_transactions(keep_prepared_txn=True)
             self._producer = producer
@@ -133,7 +169,7 @@ class DualWriter:
                              exc)
             producer.close()
         self._drop_connection()
-        self._verifier.shutdown(wait=False)
+        self._helper.shutdown(wait=False)
 
     def __enter__(self) -> DualWriter:
         return self
@@ -156,35 +192,129 @@ class DualWriter:
     def transaction(self) -> Iterator[DualWriteTransaction]:
         """One atomic unit: rows written with ``tx.connection`` and records from ``tx.produce``."""
         producer = self.producer
-        conn, stored = self._begin_and_lock()
-        try:
-            self._finish_in_doubt(conn, producer, stored)
+        if self._generation is not None and producer.ready:
             producer.begin_transaction()
+            tx = DualWriteTransaction(None, producer, self._take_deferred_lock)
+        else:
+            conn = self._lock_and_settle(producer)
+            try:
+                producer.begin_transaction()
+            except BaseException:
+                self._rollback(conn)
+                raise
             tx = DualWriteTransaction(conn, producer)
+        try:
             yield tx
+            conn, producer = tx.connection, tx._producer
             state = producer.flush_and_state()
             tx.state = state
             verify = self._needs_verification(producer)
             if verify:
                 # The coordinator round trip overlaps the state-row write.
-                verified = self._verifier.submit(producer.verify_prepared)
+                verified = self._helper.submit(producer.verify_prepared)
                 self._store.write(conn, self._tid, str(state))
                 verified.result()
         except BaseException:
-            try:
-                conn.rollback()
-            except sa.exc.SQLAlchemyError:
-                self._drop_connection()
-            self._abort_quietly(producer)
+            if tx._connection is not None:
+                self._rollback(tx._connection)
+            self._abort_quietly(tx._producer)
             raise
         try:
             self._decide(conn, producer, state, state_written=verify)
         except BaseException:
             self._drop_connection()  # after a failure mid-commit its state is not known
+            # Commit failures can start a new producer session: claim again before the next.
+            self._generation = self._claimed = None
             raise
+        self._settled = str(state)
 
-    def _begin_and_lock(self) -> tuple[Connection, str]:
-        """Begin on the writer's connection and lock the state row; returns the stored state.
+    def _take_deferred_lock(self, tx: DualWriteTransaction) -> None:
+        """Lock at the block's first use of the database; start over if anyone claimed the id."""
+        tx._take_lock = None
+        unlocked, tx._unlocked = tx._unlocked, []
+        tx._connection, row = self._begin_and_lock()
+        if (row.fencing_generation == self._generation
+                and row.prepared_txn_state in ("", self._settled)):
+            return
+        # Someone claimed the id since this writer's claim (recovery, a new writer, or this one
+        # after a failure): they may have ended or fenced the transaction whose records already
+        # left. Only those records exist so far; abort them and begin again under a claim of
+        # this writer's own.
+        log.warning("transactional_id=%s was claimed by another process (fencing generation "
+                    "%d, this writer's %s) before its lock was granted; starting the "
+                    "transaction over", self._tid, row.fencing_generation, self._generation)
+        self._generation = None
+        self._rollback(tx._connection)
+        tx._connection = None
+        self._abort_after_claim(tx._producer)
+        fresh = self._producer is None
+        producer = self.producer  # a new session (and claim) if the old one had to go
+        conn = self._lock_and_settle(producer, claim=not fresh)
+        tx._producer = producer
+        try:
+            producer.begin_transaction()
+            for topic, value, key, partition, headers in unlocked:
+                producer.produce(topic, value, key, partition=partition, headers=headers)
+        except BaseException:
+            self._rollback(conn)
+            raise
+        tx._connection = conn
+
+    def _abort_after_claim(self, producer: TwoPhaseProducer) -> None:
+        """Abort the transaction started before the lock; stop if a newer producer fenced it."""
+        try:
+            producer.abort_transaction()
+            fenced = producer.fenced_at_coordinator()
+        except ProducerFencedError:
+            fenced = True
+        except DualWriteError as exc:
+            # Whoever acted may have ended the transaction already; a new session (which aborts
+            # whatever is still open) replaces this one.
+            log.info("abort of transactional_id=%s failed (%s); starting a new session",
+                     self._tid, exc)
+            fenced = producer.fenced_at_coordinator()
+            if not fenced:
+                self._close_producer()
+        if fenced:
+            raise ProducerFencedError(
+                f"transactional_id={self._tid}: a newer producer of this transactional id took "
+                "over while this writer's transaction was starting; nothing was committed. Stop "
+                "this writer (two writers must not share a transactional id)")
+
+    def _claim(self) -> None:
+        self._generation = None
+        self._claimed = self._store.claim([self._tid])[self._tid]
+
+    def _lock_and_settle(self, producer: TwoPhaseProducer, *, claim: bool = False) -> Connection:
+        """Lock first, make sure the id is still this writer's claim, finish what is in doubt.
+
+        Another process's claim since this writer's means it may have acted on the id: claim
+        again, so that whatever this writer does next under the lock is its own to do.
+        """
+        for _ in range(_CLAIM_ATTEMPTS):
+            if claim:
+                self._claim()
+            conn, row = self._begin_and_lock()
+            if row.fencing_generation not in (self._generation, self._claimed):
+                self._rollback(conn)
+                claim = True
+                continue
+            try:
+                self._finish_in_doubt(conn, producer, row.prepared_txn_state)
+            except BaseException:
+                # Not settled (e.g. a heuristic abort awaiting recovery): the next transaction
+                # locks first again, before its body runs.
+                self._generation = None
+                self._rollback(conn)
+                raise
+            self._generation, self._settled = row.fencing_generation, row.prepared_txn_state
+            return conn
+        raise RetriableError(f"transactional_id={self._tid} was claimed by other processes "
+                             f"{_CLAIM_ATTEMPTS} times in a row; is another writer or recovery "
+                             "running for it?")
+
+    def _begin_and_lock(self) -> tuple[Connection, StateRow]:
+        """Begin on the writer's connection and lock the state row.
 
         The connection is kept between transactions (no pool checkout, no ping). One that died
         while idle is replaced once: nothing of the transaction has happened yet.
@@ -195,7 +325,7 @@ class DualWriter:
             conn = self._conn
             try:
                 conn.begin()
-                return conn, self._store.lock(conn, self._tid)
+                return conn, self._store.lock_row(conn, self._tid)
             except BaseException as exc:
                 self._drop_connection()
                 lost = isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated
@@ -204,6 +334,18 @@ class DualWriter:
                 log.info("database connection of transactional_id=%s was lost while idle; "
                          "reconnecting", self._tid)
         raise AssertionError("unreachable")
+
+    def _rollback(self, conn: Connection) -> None:
+        """Roll back (freeing the row lock); a connection that cannot is dropped instead."""
+        try:
+            conn.rollback()
+        except sa.exc.SQLAlchemyError:
+            self._drop_connection()
+
+    def _close_producer(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            producer.close()
 
     def _drop_connection(self) -> None:
         """Let go of the writer's connection; what it held is rolled back, freeing the row lock."""

@@ -169,18 +169,28 @@ def _resolve_chunk(store: StateStore, engine: Engine, cp: ControlPlane,
                    aborted_first: set[str]) -> list[RecoveryResult | None]:
     """Resolve a few ids in one database transaction that holds their state-row locks.
 
-    Holding the locks keeps live writers of these ids out while the bulk answers are used. The
-    first pass only ends open transactions and returns None for ids whose named transaction
-    must still be checked at its anchor.
+    The ids are claimed first (their fencing generation raised and committed), and acted on only
+    under locks that still show that claim: a live writer whose records left before its lock was
+    granted learns from the generation that recovery may have ended its transaction. Holding the
+    locks keeps writers of these ids out while the bulk answers are used. The first pass only ends
+    open transactions and returns None for ids whose named transaction must still be checked at
+    its anchor.
     """
     stored: dict[str, str] = {}
     try:
+        claimed = store.claim(ids)
         with transaction(engine) as conn:
-            for tid in sorted(ids):  # one lock order for every locker: no deadlocks
-                stored[tid] = store.lock(conn, tid)
-            states: dict[str, PreparedTxnState] = {}
             results: dict[str, RecoveryResult | None] = {}
-            for tid, text in stored.items():
+            states: dict[str, PreparedTxnState] = {}
+            for tid in sorted(ids):  # one lock order for every locker: no deadlocks
+                row = store.lock_row(conn, tid)
+                text = stored[tid] = row.prepared_txn_state
+                if row.fencing_generation != claimed[tid]:
+                    results[tid] = RecoveryResult(
+                        tid, text, Outcome.FAILED, "a writer of this transactional id started "
+                        "while recovery was about to act on it; nothing was done: run recovery "
+                        "again once that writer has stopped (or let it finish the id itself)")
+                    continue
                 try:
                     states[tid] = PreparedTxnState.parse(text)
                 except DualWriteError as exc:

@@ -7,7 +7,10 @@ that the last committed database transaction decided to commit. A writer
    upsert that takes the row lock and returns the stored state; on SQLite the transaction already
    holds the database write lock through ``BEGIN IMMEDIATE``). The lock is the guard against
    zombies and split brain: two writers of one transactional id run one after the other, and the
-   second sees what the first decided;
+   second sees what the first decided. A process about to end or fence the id's Kafka
+   transactions first raises the row's fencing generation (:meth:`StateStore.claim`), so that a
+   writer whose records left before its lock was granted can tell whether anyone acted
+   meanwhile;
 2. writes its application rows, prepares the Kafka transaction and stores the new state in the
    same database transaction, :meth:`StateStore.write_and_commit` (or :meth:`StateStore.write`
    then its own commit); the database commit is the decision.
@@ -47,11 +50,16 @@ _SUPPORTED_DIALECTS = ("postgresql", "sqlite")
 
 @dataclass(frozen=True)
 class StateRow:
-    """One row of the state table. ``prepared_txn_state`` is ``''`` when nothing is prepared."""
+    """One row of the state table. ``prepared_txn_state`` is ``''`` when nothing is prepared.
+
+    ``fencing_generation`` counts the claims of processes that ended or fenced (or were about to)
+    this id's Kafka transactions; see :meth:`StateStore.claim`.
+    """
 
     transactional_id: str
     prepared_txn_state: str
     updated_at: datetime
+    fencing_generation: int = 0
 
 
 def _check(name: str, value: str, *, allow_empty: bool) -> None:
@@ -70,11 +78,13 @@ def _utc(value: datetime) -> datetime:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
-def _is_missing_table(exc: sa.exc.DBAPIError) -> bool:
+def _is_missing_schema(exc: sa.exc.DBAPIError) -> bool:
+    """The table, or a column a later migration added, does not exist."""
     orig = exc.orig
-    if getattr(orig, "sqlstate", None) == "42P01":  # PostgreSQL undefined_table
+    if getattr(orig, "sqlstate", None) in ("42P01", "42703"):  # undefined table / column
         return True
-    return "no such table" in str(orig).lower()  # SQLite
+    text = str(orig).lower()
+    return "no such table" in text or "no such column" in text  # SQLite
 
 
 def _require_transaction(conn: Connection, method: str) -> None:
@@ -154,6 +164,7 @@ class StateStore:
             sa.Column("transactional_id", sa.String(MAX_LENGTH), primary_key=True),
             sa.Column("prepared_txn_state", sa.String(MAX_LENGTH), nullable=False),
             sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+            sa.Column("fencing_generation", sa.BigInteger, nullable=False, server_default="0"),
         )
         # psycopg's pipeline mode sends these past SQLAlchemy (see _lock_pipelined).
         quoted = '"' + table.replace('"', '""') + '"'  # the name SQLAlchemy's Table means
@@ -161,7 +172,7 @@ class StateStore:
             f"INSERT INTO {quoted} (transactional_id, prepared_txn_state, updated_at) "
             "VALUES (%s, '', %s) ON CONFLICT (transactional_id) "
             "DO UPDATE SET transactional_id = EXCLUDED.transactional_id "
-            "RETURNING prepared_txn_state")
+            "RETURNING prepared_txn_state, fencing_generation, updated_at")
         self._pg_write_sql = (f"UPDATE {quoted} SET prepared_txn_state = %s, updated_at = %s "
                               "WHERE transactional_id = %s")
 
@@ -175,32 +186,41 @@ class StateStore:
         :class:`MigrationRequiredError` (on PostgreSQL the caller's transaction is then aborted and
         must be rolled back).
         """
+        return self.lock_row(conn, transactional_id).prepared_txn_state
+
+    def lock_row(self, conn: Connection, transactional_id: str) -> StateRow:
+        """:meth:`lock`, returning the whole locked row (with its fencing generation)."""
         _check("transactional_id", transactional_id, allow_empty=False)
         _require_transaction(conn, "lock")
         t, tid = self.table, transactional_id
         try:
-            state: str
+            found: Any
             raw = _psycopg_connection(conn)
             if raw is not None:
-                state = self._lock_pipelined(conn, raw, tid)
+                found = self._lock_pipelined(conn, raw, tid)
             elif conn.dialect.name == "postgresql":
                 # One round trip: the upsert takes the row lock (like FOR UPDATE) and returns the
-                # stored state unchanged.
+                # stored row unchanged.
                 upsert = (postgresql.insert(t)
                           .values(transactional_id=tid, prepared_txn_state="",
                                   updated_at=datetime.now(UTC))
                           .on_conflict_do_update(index_elements=[t.c.transactional_id],
                                                  set_={"transactional_id": tid})
-                          .returning(t.c.prepared_txn_state))
-                state = conn.execute(upsert).scalar_one()
+                          .returning(t.c.prepared_txn_state, t.c.fencing_generation,
+                                     t.c.updated_at))
+                found = conn.execute(upsert).one()
             else:
                 conn.execute(self._insert_missing(conn, tid))
-                query = sa.select(t.c.prepared_txn_state).where(t.c.transactional_id == tid)
-                state = conn.execute(query).scalar_one()
+                query = (sa.select(t.c.prepared_txn_state, t.c.fencing_generation,
+                                   t.c.updated_at)
+                         .where(t.c.transactional_id == tid))
+                found = conn.execute(query).one()
         except sa.exc.DBAPIError as exc:
             self._reraise(conn, exc)
-        logger.debug("locked transactional id %r, stored state %r", transactional_id, state)
-        return state
+        row = StateRow(tid, str(found[0]), _utc(found[2]), int(found[1]))
+        logger.debug("locked transactional id %r, stored state %r, fencing generation %d", tid,
+                     row.prepared_txn_state, row.fencing_generation)
+        return row
 
     def write(self, conn: Connection, transactional_id: str, state: str) -> None:
         """Store ``state`` in the caller's transaction, which must have called :meth:`lock`."""
@@ -257,9 +277,9 @@ class StateStore:
         logger.debug("wrote state %r for transactional id %r and committed", state,
                      transactional_id)
 
-    def _lock_pipelined(self, conn: Connection, raw: Any, transactional_id: str) -> str:
-        """:meth:`lock` on psycopg (``raw`` under ``conn``): BEGIN and the upsert in one round
-        trip."""
+    def _lock_pipelined(self, conn: Connection, raw: Any, transactional_id: str) -> Any:
+        """:meth:`lock_row` on psycopg (``raw`` under ``conn``): BEGIN and the upsert in one round
+        trip; returns the upsert's row."""
         from psycopg.pq import TransactionStatus
 
         with _as_sqlalchemy_errors(conn, raw, self._pg_lock_sql):
@@ -271,7 +291,7 @@ class StateStore:
                 cursor = raw.execute(self._pg_lock_sql, (transactional_id, datetime.now(UTC)))
             row = cursor.fetchone()
         assert row is not None  # the upsert always returns its row
-        return str(row[0])
+        return row
 
     # -- own short transactions ----------------------------------------------------------------
 
@@ -284,7 +304,8 @@ class StateStore:
     def read_all(self, transactional_ids: Sequence[str] | None = None) -> list[StateRow]:
         """All rows (or those of ``transactional_ids``), ordered by transactional id."""
         t = self.table
-        query = sa.select(t.c.transactional_id, t.c.prepared_txn_state, t.c.updated_at)
+        query = sa.select(t.c.transactional_id, t.c.prepared_txn_state, t.c.updated_at,
+                          t.c.fencing_generation)
         if transactional_ids is not None:
             ids = list(transactional_ids)
             if not ids:
@@ -298,7 +319,35 @@ class StateStore:
                 rows = conn.execute(query).all()
             except sa.exc.DBAPIError as exc:
                 self._reraise(conn, exc)
-        return [StateRow(r[0], r[1], _utc(r[2])) for r in rows]
+        return [StateRow(r[0], r[1], _utc(r[2]), int(r[3])) for r in rows]
+
+    def claim(self, transactional_ids: Sequence[str]) -> dict[str, int]:
+        """Raise the fencing generation of each id (creating missing rows) and commit.
+
+        Call this before ending or fencing any Kafka transaction of these ids, then act only in a
+        later transaction that holds the row lock and still sees the generation returned here.
+        A writer whose records left before its lock was granted then sees a generation other
+        than its own whenever someone may have acted on its transaction meanwhile.
+        """
+        ids = sorted(set(transactional_ids))  # one lock order for every locker: no deadlocks
+        for tid in ids:
+            _check("transactional_id", tid, allow_empty=False)
+        t = self.table
+        bump = (sa.update(t).where(t.c.transactional_id == sa.bindparam("tid"))
+                .values(fencing_generation=t.c.fencing_generation + 1))
+        claimed: dict[str, int] = {}
+        with transaction(self.engine) as conn:
+            try:
+                for tid in ids:
+                    conn.execute(self._insert_missing(conn, tid))
+                    conn.execute(bump, {"tid": tid})
+                query = (sa.select(t.c.transactional_id, t.c.fencing_generation)
+                         .where(t.c.transactional_id.in_(ids)))
+                claimed = {r[0]: int(r[1]) for r in conn.execute(query)} if ids else {}
+            except sa.exc.DBAPIError as exc:
+                self._reraise(conn, exc)
+        logger.debug("claimed %s", claimed)
+        return claimed
 
     def compare_and_set(self, transactional_id: str, expected: str, new: str) -> bool:
         """Set the state to ``new`` only if it is still ``expected``; True if it was set.
@@ -358,12 +407,13 @@ class StateStore:
         return sqlite.insert(self.table).values(values).on_conflict_do_nothing()
 
     def _reraise(self, conn: Connection, exc: sa.exc.DBAPIError) -> NoReturn:
-        if _is_missing_table(exc):
+        if _is_missing_schema(exc):
             if self.table.name == STATE_TABLE:
-                how = f"Create it with: {upgrade_command(conn.engine.url)}"
+                how = f"Create or upgrade it with: {upgrade_command(conn.engine.url)}"
             else:
-                how = "Create it in the application's own migrations (see docs/sql.md)."
+                how = "Create or alter it in the application's own migrations (see docs/sql.md)."
             raise MigrationRequiredError(
-                f"the dualwrite state table {self.table.name!r} does not exist. {how}"
+                f"the dualwrite state table {self.table.name!r} does not exist or lacks a column "
+                f"of this dualwrite version ({exc.orig}). {how}"
             ) from exc
         raise exc

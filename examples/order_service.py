@@ -38,8 +38,8 @@ def place_order(writer: dw.DualWriter, topic: str, n: int, crash_at: str | None)
     event: dict[str, Any] = {"order_id": order_id, "customer": f"c{n % 7}",
                              "amount_cents": 100 + n}
     with writer.transaction() as tx:
-        tx.connection.execute(orders.insert().values(**event))
-        tx.produce(topic, key=order_id, value=json.dumps(event))
+        tx.produce(topic, key=order_id, value=json.dumps(event))  # first: it travels while
+        tx.connection.execute(orders.insert().values(**event))  # the row lock is taken
         if crash_at == "before-db-commit":
             os.kill(os.getpid(), signal.SIGKILL)
         if crash_at == "after-db-commit":

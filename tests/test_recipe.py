@@ -26,6 +26,7 @@ from dualwrite import (
     StateStore,
     TxnState,
 )
+from dualwrite.completion import Completion, complete
 from dualwrite.control_plane import ControlPlane
 from dualwrite.database import normalize_url
 from tests._kafka_helpers import closed_port, read_committed, unique, wait_for
@@ -443,3 +444,163 @@ def test_coordinator_check_runs_only_when_the_transaction_is_old(
     always = writers(engine, unique("always"), verify="always")
     write(always, topic, ["checked"])
     assert len(calls) == 3
+
+
+# -- the lock taken at the first use of the connection ---------------------------------------
+
+
+def write_produce_first(writer: DualWriter, topic: str, value: str,
+                        between: Callable[[], None] | None = None) -> None:
+    """A dual write whose records leave before the body first uses the connection."""
+    with writer.transaction() as tx:
+        tx.produce(topic, value.encode(), key=value.encode())
+        if between is not None:
+            between()
+        tx.connection.execute(sa.text("INSERT INTO app_rows (value) VALUES (:v)"), {"v": value})
+
+
+def _in_the_log(cp: ControlPlane, tid: str) -> bool:
+    """The open transaction of ``tid`` has a record in a partition's log."""
+    desc = cp.describe_transaction(tid)
+    if desc is None or desc.state is not TxnState.ONGOING or not desc.partitions:
+        return False
+    return any(p.producer_id == desc.producer_id and p.current_txn_start_offset is not None
+               for ps in cp.describe_producers(desc.partitions).values() for p in ps)
+
+
+def test_lock_waits_for_the_first_use_of_the_connection_once_the_session_is_established(
+        writers: Any, engine: sa.Engine, bootstrap: str, topic: str) -> None:
+    writer = writers(engine, unique("ahead"))
+    seen: list[bool] = []
+    for i in range(4):
+        with writer.transaction() as tx:
+            tx.produce(topic, f"v{i}".encode(), key=b"k")
+            seen.append(tx._take_lock is not None)
+            tx.connection.execute(sa.text("INSERT INTO app_rows (value) VALUES (:v)"),
+                                  {"v": f"v{i}"})
+            seen.append(tx._take_lock is not None)
+    # The first transaction of a session locks first (it claims the id and finishes what is in
+    # doubt); the later ones take the lock at the first use of the connection.
+    assert seen == [False, False] + [True, False] * 3
+    # A body that fails before it used the connection aborts its records.
+    with pytest.raises(ZeroDivisionError), writer.transaction() as tx:
+        tx.produce(topic, b"never", key=b"k")
+        assert tx._take_lock is not None
+        _ = 1 / 0
+    write_produce_first(writer, topic, "after")
+    assert assert_invariant(engine, bootstrap, topic) == [b"after", b"v0", b"v1", b"v2", b"v3"]
+    row = StateStore(engine).read(writer.transactional_id)
+    assert row is not None and row.fencing_generation == 1
+
+
+def test_recovery_acting_before_the_lock_is_granted_makes_the_writer_start_over(
+        writers: Any, engine: sa.Engine, bootstrap: str, topic: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Recovery claims the id and, holding its lock, aborts the open transaction whose record
+    already reached the log. The writer sees the claim under the lock, aborts, claims again and
+    sends its record again: nothing lost, nothing doubled."""
+    tid = unique("ahead-rec")
+    writer = writers(engine, tid)
+    write_produce_first(writer, topic, "first")
+    store = StateStore(engine)
+    config = {"bootstrap.servers": bootstrap}
+    stored = store.read(tid)
+    assert stored is not None
+    store.claim([tid])  # what recovery does before it acts
+    errors: list[BaseException] = []
+    produced = threading.Event()
+    with ControlPlane(config) as cp, engine.connect() as recovery:
+        recovery.begin()
+        store.lock_row(recovery, tid)
+
+        def body() -> None:
+            try:
+                write_produce_first(writer, topic, "raced", between=produced.set)
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=body)
+        thread.start()
+        assert produced.wait(10)
+        wait_for(lambda: _in_the_log(cp, tid), 10, what="the raced record in the log")
+        ended = complete(cp, config, tid,
+                         dualwrite.PreparedTxnState.parse(stored.prepared_txn_state))
+        assert ended is Completion.ABORTED  # the writer's open transaction
+        recovery.commit()
+        thread.join(30)
+        assert not thread.is_alive() and errors == []
+        desc = cp.describe_transaction(tid)
+        assert desc is not None and desc.state is not TxnState.ONGOING
+    assert "starting the transaction over" in caplog.text
+    assert assert_invariant(engine, bootstrap, topic) == [b"first", b"raced"]
+    write_produce_first(writer, topic, "later")
+    assert assert_invariant(engine, bootstrap, topic) == [b"first", b"later", b"raced"]
+
+
+def test_a_new_producer_fencing_before_the_lock_is_granted_stops_the_old_writer(
+        writers: Any, engine: sa.Engine, bootstrap: str, topic: str) -> None:
+    """A new session of the id claims it and fences the old writer, whose record is already in
+    the log: the old writer stops with ProducerFencedError and nothing of it commits."""
+    from confluent_kafka import Producer
+
+    tid = unique("ahead-fence")
+    writer = writers(engine, tid)
+    write_produce_first(writer, topic, "first")
+    store = StateStore(engine)
+    store.claim([tid])  # the new session's claim
+    errors: list[BaseException] = []
+    produced = threading.Event()
+    with ControlPlane({"bootstrap.servers": bootstrap}) as cp, engine.connect() as newcomer:
+        newcomer.begin()
+        store.lock_row(newcomer, tid)
+
+        def body() -> None:
+            try:
+                write_produce_first(writer, topic, "zombie", between=produced.set)
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=body)
+        thread.start()
+        assert produced.wait(10)
+        wait_for(lambda: _in_the_log(cp, tid), 10, what="the zombie record in the log")
+        fencer = Producer({"bootstrap.servers": bootstrap, "transactional.id": tid})
+        fencer.init_transactions(20)  # aborts the open transaction, bumps the epoch
+        newcomer.commit()
+        thread.join(30)
+        assert not thread.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], ProducerFencedError), errors
+        del fencer
+    assert assert_invariant(engine, bootstrap, topic) == [b"first"]
+
+
+def test_recovery_running_beside_a_writer_keeps_the_invariant(
+        writers: Any, engine: sa.Engine, bootstrap: str, topic: str) -> None:
+    """recover() in a loop while a writer sends its locks ahead: whatever the interleaving, the
+    writer never fails and rows equal records."""
+    tid = unique("ahead-loop")
+    writer = writers(engine, tid)
+    stop = threading.Event()
+    reports: list[Any] = []
+
+    def recover_loop() -> None:
+        while not stop.is_set():
+            reports.append(dualwrite.recover(engine, {"bootstrap.servers": bootstrap}, [tid],
+                                             timeout_s=20))
+
+    thread = threading.Thread(target=recover_loop)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 5
+        written = 0
+        while time.monotonic() < deadline:
+            write_produce_first(writer, topic, f"w{written}")
+            written += 1
+    finally:
+        stop.set()
+        thread.join(60)
+    assert written > 10 and len(reports) > 3
+    assert all(r.ok or r.failed[0].detail.startswith("a writer of this transactional id")
+               for r in reports), [r.as_dict() for r in reports if not r.ok]
+    committed = assert_invariant(engine, bootstrap, topic)
+    assert committed == sorted(f"w{i}".encode() for i in range(written))

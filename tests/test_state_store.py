@@ -37,8 +37,8 @@ from dualwrite.errors import (
 )
 from dualwrite.state_store import MAX_LENGTH, StateRow, StateStore, writer_connection
 
-#: The newest schema revision (0002 added the batch sinks' decision log).
-HEAD = "0002"
+#: The newest schema revision (0003 added the fencing generation).
+HEAD = "0003"
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -134,7 +134,8 @@ def test_upgrade_creates_the_table_and_is_idempotent(engine: sa.Engine) -> None:
             "dualwrite_batch_participant"} <= tables
     assert "alembic_version" not in tables  # the application's own Alembic stays untouched
     columns = {c["name"]: c for c in inspector.get_columns(STATE_TABLE)}
-    assert set(columns) == {"transactional_id", "prepared_txn_state", "updated_at"}
+    assert set(columns) == {"transactional_id", "prepared_txn_state", "updated_at",
+                            "fencing_generation"}
     assert not any(c["nullable"] for c in columns.values())
     assert inspector.get_pk_constraint(STATE_TABLE)["constrained_columns"] == ["transactional_id"]
     # The default of prepared_txn_state is the empty string.
@@ -144,7 +145,7 @@ def test_upgrade_creates_the_table_and_is_idempotent(engine: sa.Engine) -> None:
             {"now": datetime.now(UTC)},
         )
     row = StateStore(engine).read("d")
-    assert row is not None and row.prepared_txn_state == ""
+    assert row is not None and row.prepared_txn_state == "" and row.fencing_generation == 0
 
 
 def test_upgrade_from_a_url_string(db_url: str) -> None:
@@ -219,9 +220,73 @@ def test_check_schema_accepts_a_table_made_by_the_application(engine: sa.Engine)
         sa.Column("transactional_id", sa.String(255), primary_key=True),
         sa.Column("prepared_txn_state", sa.String(255), nullable=False, server_default=""),
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("fencing_generation", sa.BigInteger, nullable=False, server_default="0"),
     )
     meta.create_all(engine)
     check_schema(engine)
+
+
+def test_a_table_of_an_older_shape_requires_migration(engine: sa.Engine) -> None:
+    """Before 0003 the table had no fencing generation: every use names the upgrade."""
+    meta = sa.MetaData()
+    sa.Table(
+        STATE_TABLE,
+        meta,
+        sa.Column("transactional_id", sa.String(255), primary_key=True),
+        sa.Column("prepared_txn_state", sa.String(255), nullable=False, server_default=""),
+        sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+    )
+    meta.create_all(engine)
+    with pytest.raises(MigrationRequiredError, match="dualwrite db upgrade"):
+        check_schema(engine)
+    store = StateStore(engine)
+    with pytest.raises(MigrationRequiredError, match="dualwrite db upgrade"), \
+            engine.begin() as conn:
+        store.lock(conn, "tid")
+    with pytest.raises(MigrationRequiredError, match="dualwrite db upgrade"):
+        store.claim(["tid"])
+
+
+def test_upgrade_from_0002_keeps_the_rows_at_generation_zero(engine: sa.Engine) -> None:
+    assert upgrade_database(engine, "0002") == "0002"
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"INSERT INTO {STATE_TABLE} (transactional_id, prepared_txn_state, "
+                             "updated_at) VALUES ('old', '7:0:t:0:5', :now)"),
+                     {"now": datetime.now(UTC)})
+    assert upgrade_database(engine) == HEAD
+    row = StateStore(engine).read("old")
+    assert row is not None and (row.prepared_txn_state, row.fencing_generation) == ("7:0:t:0:5",
+                                                                                    0)
+
+
+def test_claim_raises_the_generation_and_lock_row_returns_it(engine: sa.Engine,
+                                                             store: StateStore) -> None:
+    assert store.claim(["b", "a"]) == {"a": 1, "b": 1}  # rows created on first claim
+    assert store.claim(["a"]) == {"a": 2}
+    assert store.claim([]) == {}
+    with engine.begin() as conn:
+        row = store.lock_row(conn, "a")
+        store.write(conn, "a", "s")  # a writer's state leaves the generation alone
+    assert (row.transactional_id, row.prepared_txn_state, row.fencing_generation) == ("a", "",
+                                                                                        2)
+    after = store.read("a")
+    assert after is not None and (after.prepared_txn_state, after.fencing_generation) == ("s", 2)
+
+
+def test_claim_waits_for_the_lock_holder(engine: sa.Engine, store: StateStore) -> None:
+    """A claim made while a writer holds the lock lands after that writer's commit."""
+    store.claim(["w"])
+    with engine.connect() as holder:
+        holder.begin()
+        assert store.lock_row(holder, "w").fencing_generation == 1
+        claimed: dict[str, int] = {}
+        thread = threading.Thread(target=lambda: claimed.update(store.claim(["w"])))
+        thread.start()
+        time.sleep(0.5)
+        assert not claimed and thread.is_alive()  # waiting for the row
+        holder.commit()
+        thread.join(10)
+    assert claimed == {"w": 2}
 
 
 def test_lock_on_a_missing_table_requires_migration(engine: sa.Engine) -> None:
