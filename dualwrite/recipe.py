@@ -4,10 +4,10 @@ Per transaction: lock the state row; finish whatever the stored state says is in
 Kafka transaction; the application writes rows and produces records; prepare; write the new state
 in the same database transaction; **the database commit is the decision**; commit Kafka.
 
-Once a writer's session is established, the lock waits for the block's first use of the database:
-records produced before it are on their way while it is taken, and the row's fencing generation,
-read under the lock, tells whether anyone could have ended or fenced their transaction meanwhile
-(then it starts over; see "Claims" in docs/design.md).
+Once a writer's session is established, the lock waits for the block's first record or first use
+of the database: a record produced first is on its way while the lock is taken, and the row's
+fencing generation, read under the lock, tells whether anyone could have ended or fenced its
+transaction meanwhile (then it starts over; see "Claims" in docs/design.md).
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ class DualWriteTransaction:
     def connection(self) -> Connection:
         """The SQLAlchemy connection of the database transaction; write your rows with it.
 
-        The first use may take the state-row lock: produce first, then write rows, and the
-        lock's round trip overlaps the records' flight.
+        The first use may take the state-row lock (unless a record was produced first, which
+        takes it instead, while the record travels).
         """
         if self._take_lock is not None:
             self._take_lock(self)
@@ -76,8 +76,11 @@ class DualWriteTransaction:
                 headers: Headers | None = None) -> None:
         """Send a record in this transaction; it becomes visible iff the rows commit."""
         self._producer.produce(topic, value, key, partition=partition, headers=headers)
-        if self._take_lock is not None:  # sent again should the transaction start over
+        if self._take_lock is not None:
+            # The first record is on its way (AddPartitionsToTxn first): lock now, and keep the
+            # record to send again should the transaction start over.
             self._unlocked.append((topic, value, key, partition, headers))
+            self._take_lock(self)
 
 
 class DualWriter:
@@ -229,7 +232,8 @@ class DualWriter:
         self._settled = str(state)
 
     def _take_deferred_lock(self, tx: DualWriteTransaction) -> None:
-        """Lock at the block's first use of the database; start over if anyone claimed the id."""
+        """Lock after the block's first record or at its first use of the database (or at its
+        end); start over if anyone claimed the id meanwhile."""
         tx._take_lock = None
         unlocked, tx._unlocked = tx._unlocked, []
         tx._connection, row = self._begin_and_lock()

@@ -182,8 +182,7 @@ def _resolve_chunk(store: StateStore, engine: Engine, cp: ControlPlane,
         with transaction(engine) as conn:
             results: dict[str, RecoveryResult | None] = {}
             states: dict[str, PreparedTxnState] = {}
-            for tid in sorted(ids):  # one lock order for every locker: no deadlocks
-                row = store.lock_row(conn, tid)
+            for tid, row in store.lock_rows(conn, ids).items():
                 text = stored[tid] = row.prepared_txn_state
                 if row.fencing_generation != claimed[tid]:
                     results[tid] = RecoveryResult(

@@ -84,7 +84,7 @@ def _is_missing_schema(exc: sa.exc.DBAPIError) -> bool:
     if getattr(orig, "sqlstate", None) in ("42P01", "42703"):  # undefined table / column
         return True
     text = str(orig).lower()
-    return "no such table" in text or "no such column" in text  # SQLite
+    return any(s in text for s in ("no such table", "no such column", "has no column named"))
 
 
 def _require_transaction(conn: Connection, method: str) -> None:
@@ -222,6 +222,30 @@ class StateStore:
                      row.prepared_txn_state, row.fencing_generation)
         return row
 
+    def lock_rows(self, conn: Connection, transactional_ids: Sequence[str]
+                  ) -> dict[str, StateRow]:
+        """:meth:`lock_row` for many ids in one round trip (locked in id order); ids without a
+        row get one, as with :meth:`lock`."""
+        ids = sorted(set(transactional_ids))
+        for tid in ids:
+            _check("transactional_id", tid, allow_empty=False)
+        _require_transaction(conn, "lock_rows")
+        t = self.table
+        query = (sa.select(t.c.transactional_id, t.c.prepared_txn_state, t.c.updated_at,
+                           t.c.fencing_generation)
+                 .where(t.c.transactional_id.in_(ids)).order_by(t.c.transactional_id))
+        if conn.dialect.name == "postgresql":
+            query = query.with_for_update()  # rows are locked as the sorted scan returns them
+        try:
+            found = {r[0]: StateRow(r[0], r[1], _utc(r[2]), int(r[3]))
+                     for r in conn.execute(query)} if ids else {}
+        except sa.exc.DBAPIError as exc:
+            self._reraise(conn, exc)
+        for tid in ids:
+            if tid not in found:
+                found[tid] = self.lock_row(conn, tid)
+        return found
+
     def write(self, conn: Connection, transactional_id: str, state: str) -> None:
         """Store ``state`` in the caller's transaction, which must have called :meth:`lock`."""
         _check("transactional_id", transactional_id, allow_empty=False)
@@ -332,18 +356,21 @@ class StateStore:
         ids = sorted(set(transactional_ids))  # one lock order for every locker: no deadlocks
         for tid in ids:
             _check("transactional_id", tid, allow_empty=False)
+        if not ids:
+            return {}
         t = self.table
-        bump = (sa.update(t).where(t.c.transactional_id == sa.bindparam("tid"))
-                .values(fencing_generation=t.c.fencing_generation + 1))
-        claimed: dict[str, int] = {}
+        now = datetime.now(UTC)
+        rows = [{"transactional_id": tid, "prepared_txn_state": "", "updated_at": now,
+                 "fencing_generation": 1} for tid in ids]
         with transaction(self.engine) as conn:
+            insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+            # One statement; its rows are upserted (and locked) in the order given.
+            stmt = insert(t).values(rows).on_conflict_do_update(
+                index_elements=[t.c.transactional_id],
+                set_={"fencing_generation": t.c.fencing_generation + 1},
+            ).returning(t.c.transactional_id, t.c.fencing_generation)
             try:
-                for tid in ids:
-                    conn.execute(self._insert_missing(conn, tid))
-                    conn.execute(bump, {"tid": tid})
-                query = (sa.select(t.c.transactional_id, t.c.fencing_generation)
-                         .where(t.c.transactional_id.in_(ids)))
-                claimed = {r[0]: int(r[1]) for r in conn.execute(query)} if ids else {}
+                claimed = {r[0]: int(r[1]) for r in conn.execute(stmt)}
             except sa.exc.DBAPIError as exc:
                 self._reraise(conn, exc)
         logger.debug("claimed %s", claimed)

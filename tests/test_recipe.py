@@ -446,16 +446,13 @@ def test_coordinator_check_runs_only_when_the_transaction_is_old(
     assert len(calls) == 3
 
 
-# -- the lock taken at the first use of the connection ---------------------------------------
+# -- the lock taken after the first record ----------------------------------------------------
 
 
-def write_produce_first(writer: DualWriter, topic: str, value: str,
-                        between: Callable[[], None] | None = None) -> None:
-    """A dual write whose records leave before the body first uses the connection."""
+def write_produce_first(writer: DualWriter, topic: str, value: str) -> None:
+    """A dual write whose record leaves before the state-row lock is taken."""
     with writer.transaction() as tx:
         tx.produce(topic, value.encode(), key=value.encode())
-        if between is not None:
-            between()
         tx.connection.execute(sa.text("INSERT INTO app_rows (value) VALUES (:v)"), {"v": value})
 
 
@@ -468,29 +465,51 @@ def _in_the_log(cp: ControlPlane, tid: str) -> bool:
                for ps in cp.describe_producers(desc.partitions).values() for p in ps)
 
 
-def test_lock_waits_for_the_first_use_of_the_connection_once_the_session_is_established(
+def test_lock_waits_for_the_first_record_once_the_session_is_established(
         writers: Any, engine: sa.Engine, bootstrap: str, topic: str) -> None:
     writer = writers(engine, unique("ahead"))
-    seen: list[bool] = []
+    took: list[int] = []
+    take = writer._take_deferred_lock
+
+    def spy(tx: Any) -> None:
+        took.append(len(tx._unlocked))
+        take(tx)
+
+    writer._take_deferred_lock = spy  # type: ignore[method-assign]
     for i in range(4):
-        with writer.transaction() as tx:
-            tx.produce(topic, f"v{i}".encode(), key=b"k")
-            seen.append(tx._take_lock is not None)
-            tx.connection.execute(sa.text("INSERT INTO app_rows (value) VALUES (:v)"),
-                                  {"v": f"v{i}"})
-            seen.append(tx._take_lock is not None)
+        write_produce_first(writer, topic, f"v{i}")
     # The first transaction of a session locks first (it claims the id and finishes what is in
-    # doubt); the later ones take the lock at the first use of the connection.
-    assert seen == [False, False] + [True, False] * 3
-    # A body that fails before it used the connection aborts its records.
+    # doubt); the later ones lock right after their first record left.
+    assert took == [1, 1, 1]
+    write(writer, topic, ["rows-first"])  # no record yet: locks at the first use of the database
+    assert took[-1] == 0
     with pytest.raises(ZeroDivisionError), writer.transaction() as tx:
         tx.produce(topic, b"never", key=b"k")
-        assert tx._take_lock is not None
         _ = 1 / 0
+    with writer.transaction():
+        pass  # neither: locks at the end of the block
+    assert took[-1] == 0 and len(took) == 6
     write_produce_first(writer, topic, "after")
-    assert assert_invariant(engine, bootstrap, topic) == [b"after", b"v0", b"v1", b"v2", b"v3"]
+    assert assert_invariant(engine, bootstrap, topic) == [
+        b"after", b"rows-first", b"v0", b"v1", b"v2", b"v3"]
     row = StateStore(engine).read(writer.transactional_id)
     assert row is not None and row.fencing_generation == 1
+
+
+def _write_while_the_lock_is_held(writer: DualWriter, topic: str, value: str
+                                  ) -> tuple[threading.Thread, list[BaseException]]:
+    """Start a produce-first dual write in a thread; its lock waits for whoever holds it."""
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            write_produce_first(writer, topic, value)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    return thread, errors
 
 
 def test_recovery_acting_before_the_lock_is_granted_makes_the_writer_start_over(
@@ -507,21 +526,10 @@ def test_recovery_acting_before_the_lock_is_granted_makes_the_writer_start_over(
     stored = store.read(tid)
     assert stored is not None
     store.claim([tid])  # what recovery does before it acts
-    errors: list[BaseException] = []
-    produced = threading.Event()
     with ControlPlane(config) as cp, engine.connect() as recovery:
         recovery.begin()
         store.lock_row(recovery, tid)
-
-        def body() -> None:
-            try:
-                write_produce_first(writer, topic, "raced", between=produced.set)
-            except BaseException as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=body)
-        thread.start()
-        assert produced.wait(10)
+        thread, errors = _write_while_the_lock_is_held(writer, topic, "raced")
         wait_for(lambda: _in_the_log(cp, tid), 10, what="the raced record in the log")
         ended = complete(cp, config, tid,
                          dualwrite.PreparedTxnState.parse(stored.prepared_txn_state))
@@ -548,21 +556,10 @@ def test_a_new_producer_fencing_before_the_lock_is_granted_stops_the_old_writer(
     write_produce_first(writer, topic, "first")
     store = StateStore(engine)
     store.claim([tid])  # the new session's claim
-    errors: list[BaseException] = []
-    produced = threading.Event()
     with ControlPlane({"bootstrap.servers": bootstrap}) as cp, engine.connect() as newcomer:
         newcomer.begin()
         store.lock_row(newcomer, tid)
-
-        def body() -> None:
-            try:
-                write_produce_first(writer, topic, "zombie", between=produced.set)
-            except BaseException as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=body)
-        thread.start()
-        assert produced.wait(10)
+        thread, errors = _write_while_the_lock_is_held(writer, topic, "zombie")
         wait_for(lambda: _in_the_log(cp, tid), 10, what="the zombie record in the log")
         fencer = Producer({"bootstrap.servers": bootstrap, "transactional.id": tid})
         fencer.init_transactions(20)  # aborts the open transaction, bumps the epoch
