@@ -30,6 +30,7 @@ from dualwrite import DualWriter, StateStore, TwoPhaseProducer, TxnState, create
 
 POINTS = (
     "after-begin",
+    "before-lock",
     "mid-produce",
     "after-flush",
     "after-prepare",
@@ -196,17 +197,28 @@ def main(argv: list[str] | None = None) -> int:
     with DualWriter(engine, kafka, transactional_id=args.tid, state_store=store,
                     verify="always" if crasher.point == "after-prepare" else "auto") as writer:
         install_hooks(writer.producer, crasher)
+        take_lock = writer._take_deferred_lock
+
+        def before_lock(tx: Any) -> None:
+            # The first record is in the log; the state-row lock is not taken yet.
+            if crasher.at("before-lock"):
+                wait_until_in_log(writer.producer)
+                stop_here("before-lock")
+            take_lock(tx)
+
+        writer._take_deferred_lock = before_lock  # type: ignore[method-assign]
         for txn in range(args.first_txn, last + 1):
             crasher.txn = txn
             crasher.verified.clear()
             with writer.transaction() as tx:
-                if not crasher.rows_after_prepare:
-                    crasher.insert_rows(tx.connection)
+                # Records first (the writer takes the state-row lock after the first), then rows.
                 for n, key in enumerate(row_ids(txn, args.rows)):
                     tx.produce(args.topic, value=key, key=key)
                     if n == 0 and crasher.at("mid-produce"):
                         wait_until_in_log(writer.producer)
                         stop_here("mid-produce")
+                if not crasher.rows_after_prepare:
+                    crasher.insert_rows(tx.connection)
             print(f"COMMITTED {txn}", flush=True)
     engine.dispose()
     return 0
