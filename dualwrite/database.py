@@ -244,14 +244,17 @@ def current_revision(engine: Engine) -> str | None:
         return ctx.get_current_revision()
 
 
-def _state_table_present(engine: Engine) -> bool:
+_STATE_COLUMNS = ("transactional_id", "prepared_txn_state", "updated_at", "fencing_generation")
+
+
+def _missing_state_columns(engine: Engine) -> list[str] | None:
+    """Columns the state table lacks, or None when there is no state table."""
     with transaction(engine, read_only=True) as conn:
         inspector = sa.inspect(conn)
         if not inspector.has_table(STATE_TABLE):
-            return False
+            return None
         columns = {c["name"] for c in inspector.get_columns(STATE_TABLE)}
-    return {"transactional_id", "prepared_txn_state", "updated_at",
-            "fencing_generation"} <= columns
+    return [c for c in _STATE_COLUMNS if c not in columns]
 
 
 def check_schema(engine: Engine) -> None:
@@ -266,9 +269,15 @@ def check_schema(engine: Engine) -> None:
         return
     where = mask_url(engine.url)
     if current is None:
-        if _state_table_present(engine):
+        missing = _missing_state_columns(engine)
+        if missing == []:
             logger.debug("%s is managed outside dualwrite's migrations; accepting it", STATE_TABLE)
             return
+        if missing:
+            raise MigrationRequiredError(
+                f"{STATE_TABLE} in {where} lacks {', '.join(missing)}, added by a later dualwrite "
+                "revision: add it in the application's migrations that made the table (the "
+                "statement is in docs/sql.md)")
         message = (
             f"the dualwrite tables are missing from {where}. "
             f"Create them with: {upgrade_command(engine.url)}"

@@ -436,7 +436,8 @@ class StateStore:
     def _reraise(self, conn: Connection, exc: sa.exc.DBAPIError) -> NoReturn:
         if _is_missing_schema(exc):
             if self.table.name == STATE_TABLE:
-                how = f"Create or upgrade it with: {upgrade_command(conn.engine.url)}"
+                how = (f"Create or upgrade it with: {upgrade_command(conn.engine.url)} (or, if "
+                       "the application's own migrations made it, see docs/sql.md)")
             else:
                 how = "Create or alter it in the application's own migrations (see docs/sql.md)."
             raise MigrationRequiredError(

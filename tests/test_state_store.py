@@ -211,33 +211,31 @@ def test_check_schema_rejects_an_unknown_revision(engine: sa.Engine) -> None:
         check_schema(engine)
 
 
-def test_check_schema_accepts_a_table_made_by_the_application(engine: sa.Engine) -> None:
-    """An application may create the table in its own Alembic history (docs/sql.md)."""
-    meta = sa.MetaData()
-    sa.Table(
-        STATE_TABLE,
-        meta,
+def _create_state_table_as_the_application(engine: sa.Engine, *, revision: str) -> None:
+    """The state table as docs/sql.md tells an application to create it (0001 or 0003)."""
+    columns = [
         sa.Column("transactional_id", sa.String(255), primary_key=True),
         sa.Column("prepared_txn_state", sa.String(255), nullable=False, server_default=""),
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("fencing_generation", sa.BigInteger, nullable=False, server_default="0"),
-    )
+    ]
+    if revision >= "0003":
+        columns.append(sa.Column("fencing_generation", sa.BigInteger, nullable=False,
+                                 server_default="0"))
+    meta = sa.MetaData()
+    sa.Table(STATE_TABLE, meta, *columns)
     meta.create_all(engine)
+
+
+def test_check_schema_accepts_a_table_made_by_the_application(engine: sa.Engine) -> None:
+    """An application may create the table in its own Alembic history (docs/sql.md)."""
+    _create_state_table_as_the_application(engine, revision="0003")
     check_schema(engine)
 
 
 def test_a_table_of_an_older_shape_requires_migration(engine: sa.Engine) -> None:
     """Before 0003 the table had no fencing generation: every use names the upgrade."""
-    meta = sa.MetaData()
-    sa.Table(
-        STATE_TABLE,
-        meta,
-        sa.Column("transactional_id", sa.String(255), primary_key=True),
-        sa.Column("prepared_txn_state", sa.String(255), nullable=False, server_default=""),
-        sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
-    )
-    meta.create_all(engine)
-    with pytest.raises(MigrationRequiredError, match="dualwrite db upgrade"):
+    _create_state_table_as_the_application(engine, revision="0001")
+    with pytest.raises(MigrationRequiredError, match="lacks fencing_generation"):
         check_schema(engine)
     store = StateStore(engine)
     with pytest.raises(MigrationRequiredError, match="dualwrite db upgrade"), \
