@@ -573,7 +573,7 @@ def test_a_new_producer_fencing_before_the_lock_is_granted_stops_the_old_writer(
 
 def test_recovery_running_beside_a_writer_keeps_the_invariant(
         writers: Any, engine: sa.Engine, bootstrap: str, topic: str) -> None:
-    """recover() in a loop while a writer sends its locks ahead: whatever the interleaving, the
+    """recover() in a loop while a writer takes its locks late: whatever the interleaving, the
     writer never fails and rows equal records."""
     tid = unique("ahead-loop")
     writer = writers(engine, tid)
