@@ -44,7 +44,7 @@ HeuristicHook = Callable[[HeuristicAbortError, Connection], None]
 # How often a writer claims its id again when another process claimed it in between.
 _CLAIM_ATTEMPTS = 5
 
-_Record = tuple[str, "bytes | str | None", "bytes | str | None", "int | None", "Headers | None"]
+_Record = tuple[str, bytes | str | None, bytes | str | None, int | None, Headers | None]
 
 
 class DualWriteTransaction:

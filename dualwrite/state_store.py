@@ -87,6 +87,11 @@ def _is_missing_schema(exc: sa.exc.DBAPIError) -> bool:
     return any(s in text for s in ("no such table", "no such column", "has no column named"))
 
 
+def _state_row(row: Any) -> StateRow:
+    """A row selected or returned in the order of ``StateStore._columns``."""
+    return StateRow(str(row[0]), str(row[1]), _utc(row[2]), int(row[3]))
+
+
 def _require_transaction(conn: Connection, method: str) -> None:
     if not conn.in_transaction():
         raise TransactionStateError(
@@ -166,13 +171,17 @@ class StateStore:
             sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
             sa.Column("fencing_generation", sa.BigInteger, nullable=False, server_default="0"),
         )
+        t = self.table
+        self._columns = (t.c.transactional_id, t.c.prepared_txn_state, t.c.updated_at,
+                        t.c.fencing_generation)
+        """What every read of whole rows selects, in :class:`StateRow`'s order."""
         # psycopg's pipeline mode sends these past SQLAlchemy (see _lock_pipelined).
         quoted = '"' + table.replace('"', '""') + '"'  # the name SQLAlchemy's Table means
         self._pg_lock_sql = (
             f"INSERT INTO {quoted} (transactional_id, prepared_txn_state, updated_at) "
             "VALUES (%s, '', %s) ON CONFLICT (transactional_id) "
             "DO UPDATE SET transactional_id = EXCLUDED.transactional_id "
-            "RETURNING prepared_txn_state, fencing_generation, updated_at")
+            "RETURNING transactional_id, prepared_txn_state, updated_at, fencing_generation")
         self._pg_write_sql = (f"UPDATE {quoted} SET prepared_txn_state = %s, updated_at = %s "
                               "WHERE transactional_id = %s")
 
@@ -206,18 +215,15 @@ class StateStore:
                                   updated_at=datetime.now(UTC))
                           .on_conflict_do_update(index_elements=[t.c.transactional_id],
                                                  set_={"transactional_id": tid})
-                          .returning(t.c.prepared_txn_state, t.c.fencing_generation,
-                                     t.c.updated_at))
+                          .returning(*self._columns))
                 found = conn.execute(upsert).one()
             else:
                 conn.execute(self._insert_missing(conn, tid))
-                query = (sa.select(t.c.prepared_txn_state, t.c.fencing_generation,
-                                   t.c.updated_at)
-                         .where(t.c.transactional_id == tid))
+                query = sa.select(*self._columns).where(t.c.transactional_id == tid)
                 found = conn.execute(query).one()
         except sa.exc.DBAPIError as exc:
             self._reraise(conn, exc)
-        row = StateRow(tid, str(found[0]), _utc(found[2]), int(found[1]))
+        row = _state_row(found)
         logger.debug("locked transactional id %r, stored state %r, fencing generation %d", tid,
                      row.prepared_txn_state, row.fencing_generation)
         return row
@@ -231,14 +237,12 @@ class StateStore:
             _check("transactional_id", tid, allow_empty=False)
         _require_transaction(conn, "lock_rows")
         t = self.table
-        query = (sa.select(t.c.transactional_id, t.c.prepared_txn_state, t.c.updated_at,
-                           t.c.fencing_generation)
+        query = (sa.select(*self._columns)
                  .where(t.c.transactional_id.in_(ids)).order_by(t.c.transactional_id))
         if conn.dialect.name == "postgresql":
             query = query.with_for_update()  # rows are locked as the sorted scan returns them
         try:
-            found = {r[0]: StateRow(r[0], r[1], _utc(r[2]), int(r[3]))
-                     for r in conn.execute(query)} if ids else {}
+            found = {r[0]: _state_row(r) for r in conn.execute(query)} if ids else {}
         except sa.exc.DBAPIError as exc:
             self._reraise(conn, exc)
         for tid in ids:
@@ -328,8 +332,7 @@ class StateStore:
     def read_all(self, transactional_ids: Sequence[str] | None = None) -> list[StateRow]:
         """All rows (or those of ``transactional_ids``), ordered by transactional id."""
         t = self.table
-        query = sa.select(t.c.transactional_id, t.c.prepared_txn_state, t.c.updated_at,
-                          t.c.fencing_generation)
+        query = sa.select(*self._columns)
         if transactional_ids is not None:
             ids = list(transactional_ids)
             if not ids:
@@ -343,7 +346,7 @@ class StateStore:
                 rows = conn.execute(query).all()
             except sa.exc.DBAPIError as exc:
                 self._reraise(conn, exc)
-        return [StateRow(r[0], r[1], _utc(r[2]), int(r[3])) for r in rows]
+        return [_state_row(r) for r in rows]
 
     def claim(self, transactional_ids: Sequence[str]) -> dict[str, int]:
         """Raise the fencing generation of each id (creating missing rows) and commit.
