@@ -194,6 +194,10 @@ class DualWriter:
     @contextmanager
     def transaction(self) -> Iterator[DualWriteTransaction]:
         """One atomic unit: rows written with ``tx.connection`` and records from ``tx.produce``."""
+        if self._producer is not None and self._producer.has_open_transaction:
+            # The last transaction could not be ended (its abort or commit failed): a new
+            # session finishes it from the stored state, as after a restart.
+            self._close_producer()
         producer = self.producer
         if self._generation is not None and producer.ready:
             producer.begin_transaction()
@@ -406,6 +410,6 @@ class DualWriter:
         try:
             producer.abort_transaction()
         except Exception as exc:
-            log.warning("abort of transactional_id=%s failed: %s (the next transaction or "
-                        "recovery aborts it)", self._tid, exc)
+            log.warning("abort of transactional_id=%s failed: %s (the next transaction starts a "
+                        "new session, which aborts it)", self._tid, exc)
 

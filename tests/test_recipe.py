@@ -126,6 +126,36 @@ def test_body_exception_rolls_back_both(writers: Any, engine: sa.Engine, bootstr
     assert assert_invariant(engine, bootstrap, topic) == [b"after", b"before"]
 
 
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_a_failed_abort_does_not_wedge_the_writer(
+        writers: Any, engine: sa.Engine, bootstrap: str, topic: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The body fails and the abort fails too (as librdkafka's EndTxn can on a busy coordinator):
+    the open transaction is left to the next transaction's new session, which aborts it."""
+    tid = unique("recipe-abort")
+    writer = writers(engine, tid)
+    write(writer, topic, ["before"])
+    old = writer.producer
+
+    def failing_abort() -> None:
+        old._phase = old._phase.FAILED  # what a failed abort leaves behind
+        raise dualwrite.RecoverableError("abort_transaction: INVALID_TXN_STATE (simulated)")
+
+    monkeypatch.setattr(old, "abort_transaction", failing_abort)
+    with ControlPlane({"bootstrap.servers": bootstrap}) as cp:
+        with pytest.raises(ZeroDivisionError), writer.transaction() as tx:
+            tx.produce(topic, b"doomed", key=b"doomed")
+            wait_for(lambda: _in_the_log(cp, tid), 10, what="the doomed record in the log")
+            _ = 1 / 0
+        desc = cp.describe_transaction(tid)
+        assert desc is not None and desc.state is TxnState.ONGOING  # left open
+        write(writer, topic, ["after"])
+        assert writer.producer is not old
+        desc = cp.describe_transaction(tid)
+        assert desc is not None and desc.state is not TxnState.ONGOING
+    assert assert_invariant(engine, bootstrap, topic) == [b"after", b"before"]
+
+
 def test_records_leave_at_once_unless_linger_is_configured(sqlite_url: str) -> None:
     """linger.ms defaults to 0 so that records are in flight while the block writes its rows."""
     engine = dualwrite.create_engine(sqlite_url)
@@ -483,12 +513,14 @@ def test_lock_waits_for_the_first_record_once_the_session_is_established(
     assert took == [1, 1, 1]
     write(writer, topic, ["rows-first"])  # no record yet: locks at the first use of the database
     assert took[-1] == 0
+    with writer.transaction():
+        pass  # neither: locks at the end of the block
+    assert took[-1] == 0 and len(took) == 5
+    # A block failing after its record aborts it. (On a busy coordinator librdkafka's abort can
+    # fail; the next transaction's new session then aborts it.)
     with pytest.raises(ZeroDivisionError), writer.transaction() as tx:
         tx.produce(topic, b"never", key=b"k")
         _ = 1 / 0
-    with writer.transaction():
-        pass  # neither: locks at the end of the block
-    assert took[-1] == 0 and len(took) == 6
     write_produce_first(writer, topic, "after")
     assert assert_invariant(engine, bootstrap, topic) == [
         b"after", b"rows-first", b"v0", b"v1", b"v2", b"v3"]
