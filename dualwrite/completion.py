@@ -17,7 +17,7 @@ import enum
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from confluent_kafka import TopicPartition as CKTopicPartition
 from dualwrite.control_plane import (
     ActiveProducer,
     ControlPlane,
+    ProducerIdentity,
     TopicPartition,
     TransactionDescription,
     TxnState,
@@ -35,6 +36,7 @@ from dualwrite.errors import (
     FatalError,
     HeuristicAbortError,
     OutcomeUnknownError,
+    ProducerFencedError,
     RetriableError,
 )
 from dualwrite.kafka_errors import FatalKafkaError, FencedKafkaError
@@ -42,6 +44,7 @@ from dualwrite.prepared_state import PreparedTxnState
 
 __all__ = [
     "Completion",
+    "OwnerAlive",
     "Prefetched",
     "committed_at_anchor",
     "complete",
@@ -187,21 +190,48 @@ def committed_at_anchor(consumer_config: Mapping[str, Any], tp: TopicPartition, 
         consumer.close()
 
 
+OwnerAlive = Callable[[], bool]
+"""Asked before committing the named open transaction by (producer id, epoch): True while the
+writer that prepared it may still be running its session (it holds the id's lease, see
+:mod:`dualwrite.lease`). On librdkafka's TV1 path that session reuses the (producer id, epoch)
+for its next transaction, so an EndTxn decided now could land on that one instead: the live
+writer is left to commit its own transaction."""
+
+
 def end_open_transaction(cp: ControlPlane, transactional_id: str, state: PreparedTxnState, *,
-                         timeout_s: float = 30.0, prefetched: Prefetched | None = None
+                         timeout_s: float = 30.0, prefetched: Prefetched | None = None,
+                         owner_alive: OwnerAlive | None = None,
+                         only_identity: ProducerIdentity | None = None
                          ) -> tuple[Completion | None, TransactionDescription | None]:
     """First half of :func:`complete`: commit the open transaction if ``state`` names it, else
     abort it. Returns ``COMMITTED``, ``ABORTED`` or None (nothing was open), and the last
     description read. It returns only once the coordinator finished writing the markers (EndTxn
     answers while the transaction is still PrepareCommit / PrepareAbort), so a ``status`` right
-    after recovery shows nothing in flight."""
+    after recovery shows nothing in flight.
+
+    ``owner_alive``: see :data:`OwnerAlive`; while it answers True the named transaction is not
+    committed here but waited for (up to ``timeout_s``, then :class:`RetriableError`).
+    ``only_identity``: the caller is the producer session with this identity, finishing its own
+    transaction; an open transaction of any other producer id or epoch belongs to whoever fenced
+    it, so nothing is ended and :class:`ProducerFencedError` is raised.
+    """
     tid = transactional_id
     for attempt in range(_RACE_ATTEMPTS):
         hint = prefetched if attempt == 0 else None
         desc = _wait_until_settled(cp, tid, timeout_s, hint)
         if desc is None or desc.state is not TxnState.ONGOING:
             return None, desc
+        if only_identity is not None and (desc.producer_id, desc.epoch) != (
+                only_identity.producer_id, only_identity.epoch):
+            raise ProducerFencedError(
+                f"transactional_id={tid}: the coordinator has an open transaction of "
+                f"producer_id={desc.producer_id} epoch={desc.epoch}, not of this producer "
+                f"(producer_id={only_identity.producer_id} epoch={only_identity.epoch}): a "
+                "newer producer took over; this one ends nothing and must stop")
         if names_open_transaction(cp, desc, state, hint):
+            if owner_alive is not None and owner_alive():
+                _wait_for_live_owner(cp, tid, state, timeout_s, owner_alive)
+                continue
             log.info("commit in-doubt transaction transactional_id=%s producer_id=%d epoch=%d "
                      "state=%s", tid, desc.producer_id, desc.epoch, state)
             cp.end_transaction(tid, desc.producer_id, desc.epoch, commit=True)
@@ -223,17 +253,37 @@ def end_open_transaction(cp: ControlPlane, transactional_id: str, state: Prepare
                          "is a writer still running? retry recovery")
 
 
+def _wait_for_live_owner(cp: ControlPlane, tid: str, state: PreparedTxnState, timeout_s: float,
+                         owner_alive: OwnerAlive) -> None:
+    """Wait while the named transaction is open and its writer alive (it is committing it)."""
+    log.info("transactional_id=%s state=%s is open and its writer holds the lease: waiting for "
+             "it to commit its own transaction", tid, state)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        desc = cp.describe_transaction(tid)
+        if desc is None or not names_open_transaction(cp, desc, state) or not owner_alive():
+            return
+    raise RetriableError(
+        f"transactional_id={tid}: the transaction named by the stored state {state} is still "
+        f"open after {timeout_s:g} s and the writer that prepared it still holds the id's lease "
+        "(it may be paused); it is left to that writer — retry later, or stop that writer")
+
+
 def complete(cp: ControlPlane, consumer_config: Mapping[str, Any], transactional_id: str,
              state: PreparedTxnState, *, timeout_s: float = 30.0,
-             prefetched: Prefetched | None = None) -> Completion:
+             prefetched: Prefetched | None = None, owner_alive: OwnerAlive | None = None,
+             only_identity: ProducerIdentity | None = None) -> Completion:
     """Commit the transaction ``state`` names if it is open, abort any other open one.
 
     Idempotent: running it again after success returns ``ALREADY_COMMITTED`` or ``NOTHING``.
     Raises :class:`HeuristicAbortError` when the named transaction was aborted by Kafka.
+    ``owner_alive`` and ``only_identity``: see :func:`end_open_transaction`.
     """
     tid = transactional_id
     done, desc = end_open_transaction(cp, tid, state, timeout_s=timeout_s,
-                                      prefetched=prefetched)
+                                      prefetched=prefetched, owner_alive=owner_alive,
+                                      only_identity=only_identity)
     if done is Completion.COMMITTED:
         return done
     aborted_other = done is Completion.ABORTED

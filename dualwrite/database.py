@@ -148,7 +148,7 @@ def uses_begin_immediate(engine: Engine) -> bool:
     return engine in _IMMEDIATE_ENGINES
 
 
-def _unreachable(url: URL, exc: BaseException) -> DatabaseUnreachableError:
+def unreachable_error(url: URL, exc: BaseException) -> DatabaseUnreachableError:
     """The error for a failed connection; the driver's text is kept, the password scrubbed."""
     lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
     detail = lines[0] if lines else type(exc).__name__
@@ -168,7 +168,7 @@ def transaction(engine: Engine, *, read_only: bool = False) -> Iterator[Connecti
     try:
         conn = engine.connect()
     except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
-        raise _unreachable(engine.url, exc) from exc
+        raise unreachable_error(engine.url, exc) from exc
     with conn:
         if read_only and engine.dialect.name == "sqlite":
             conn.execution_options(**{SQLITE_BEGIN_OPTION: "DEFERRED"})
@@ -177,7 +177,7 @@ def transaction(engine: Engine, *, read_only: bool = False) -> Iterator[Connecti
                 yield conn
         except sa.exc.DBAPIError as exc:
             if exc.connection_invalidated:
-                raise _unreachable(engine.url, exc) from exc
+                raise unreachable_error(engine.url, exc) from exc
             raise
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from dualwrite.completion import Completion, complete
+from dualwrite.completion import Completion, OwnerAlive, complete
 from dualwrite.control_plane import ControlPlane, ProducerIdentity, TopicPartition, TxnState
 from dualwrite.errors import (
     DualWriteError,
@@ -225,11 +225,14 @@ class TwoPhaseProducer:
         self._phase = _Phase.READY
         log.info("initialised %s", self._ids())
 
-    def complete_transaction(self, state: PreparedTxnState | str) -> Completion:
+    def complete_transaction(self, state: PreparedTxnState | str, *,
+                             owner_alive: OwnerAlive | None = None) -> Completion:
         """Commit the in-doubt transaction if ``state`` names it, otherwise abort it.
 
         ``state`` is what the database holds (the decision). If the named transaction already
         committed this is a no-op; if Kafka aborted it, :class:`HeuristicAbortError` is raised.
+        ``owner_alive``: True while the producer that prepared it may still be running (then it
+        is left to commit its own transaction; see :func:`dualwrite.completion.complete`).
         """
         if isinstance(state, str):
             state = PreparedTxnState.parse(state)
@@ -246,7 +249,7 @@ class TwoPhaseProducer:
             return Completion.ABORTED
         try:
             outcome = complete(self._cp, self._config, self._tid, state,
-                               timeout_s=self._timeout_s)
+                               timeout_s=self._timeout_s, owner_alive=owner_alive)
         except HeuristicAbortError:
             # Nothing is open any more: the session can start, the caller decides what to do.
             if self._phase is _Phase.AWAITING_COMPLETION:
@@ -459,27 +462,47 @@ class TwoPhaseProducer:
                         exc.args[0])
             if state.is_empty:
                 raise _translate(exc, "commit_transaction") from exc
-            try:
-                complete(self._cp, self._config, self._tid, state, timeout_s=self._timeout_s)
-            except HeuristicAbortError:
-                # Nothing is open any more; a new session lets the caller go on once it has
-                # dealt with the loss (complete_transaction(state) reports it again until then).
-                self._restart_session_after_heuristic()
-                raise
-            except RetriableError as unresolved:
-                raise OutcomeUnknownError(
-                    f"commit of {self._ids()} state={state} has an unknown outcome and the "
-                    f"coordinator could not be asked ({unresolved}); run `dualwrite recover`"
-                ) from exc
-            # librdkafka's session is unusable after a failed commit; a new one is needed.
-            self._restart_session()
+            self._resolve_failed_commit(state, exc)
         else:
             self._phase = _Phase.READY
         self.last_committed = state
         log.info("committed %s state=%s", self._ids(), state)
 
+    def _resolve_failed_commit(self, state: PreparedTxnState, failure: KafkaException) -> None:
+        """Settle our own transaction after librdkafka's commit failed; never guess.
+
+        Only this session's (producer id, epoch) is acted on: if the coordinator has another
+        one, a newer producer fenced this one and may be finishing this very transaction (and
+        running its own): this producer ends nothing and starts no session, it reports what
+        happened to its transaction and stops (:class:`ProducerFencedError`).
+        """
+        try:
+            complete(self._cp, self._config, self._tid, state, timeout_s=self._timeout_s,
+                     only_identity=self._identity)
+        except HeuristicAbortError:
+            # Nothing is open any more; a new session lets the caller go on once it has dealt
+            # with the loss (complete_transaction(state) reports it again until then) — unless
+            # the id has a newer epoch, which may be a newer producer's: then the caller starts
+            # a new session through its own fencing path (DualWriter claims the id first).
+            if not self.fenced_at_coordinator():
+                self._restart_session_after_heuristic()
+            raise
+        except RetriableError as unresolved:
+            raise OutcomeUnknownError(
+                f"commit of {self._ids()} state={state} has an unknown outcome and the "
+                f"coordinator could not be asked ({unresolved}); run `dualwrite recover`"
+            ) from failure
+        if self.fenced_at_coordinator():
+            raise ProducerFencedError(
+                f"{self._ids()} was fenced by a newer producer of the same transactional id "
+                f"while committing; its transaction state={state} is committed (the database "
+                "decided it and Kafka shows it committed). Stop this producer") from failure
+        # librdkafka's session is unusable after a failed commit; a new one is needed.
+        self._restart_session()
+
     def _commit_with_retries(self) -> None:
         assert self._producer is not None
+        deadline = time.monotonic() + self._timeout_s
         while True:
             try:
                 self._producer.commit_transaction(self._timeout_s)
@@ -487,8 +510,10 @@ class TwoPhaseProducer:
             except KafkaException as exc:
                 err: KafkaError = exc.args[0]
                 # librdkafka: a retriable commit error means "call commit again".
-                if err.retriable() and not err.txn_requires_abort() and not err.fatal():
+                if (err.retriable() and not err.txn_requires_abort() and not err.fatal()
+                        and time.monotonic() < deadline):
                     log.warning("commit of %s retrying after %s", self._ids(), err)
+                    time.sleep(0.05)
                     continue
                 raise
 

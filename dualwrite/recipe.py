@@ -4,15 +4,17 @@ Per transaction: lock the state row; finish whatever the stored state says is in
 Kafka transaction; the application writes rows and produces records; prepare; write the new state
 in the same database transaction; **the database commit is the decision**; commit Kafka.
 
-Once a writer's session is established, the lock waits for the block's first record or first use
-of the database: a record produced first is on its way while the lock is taken, and the row's
-fencing generation, read under the lock, tells whether anyone could have ended or fenced its
-transaction meanwhile (then it starts over; see "Claims" in docs/design.md).
+Once a writer's session is established and it holds its id's lease (:mod:`dualwrite.lease`), the
+lock waits for the block's first record or first use of the database: a record produced first is
+on its way while the lock is taken, and the row's fencing generation, read under the lock, tells
+whether anyone could have ended or fenced its transaction meanwhile (then it starts over; see
+"Claims" and "Leases" in docs/design.md).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -21,16 +23,18 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
-from dualwrite.database import create_engine, transaction
+from dualwrite.database import create_engine
 from dualwrite.errors import (
     DatabaseUnreachableError,
     DualWriteError,
     FatalError,
     HeuristicAbortError,
+    OutcomeUnknownError,
     ProducerFencedError,
     RetriableError,
     TransactionStateError,
 )
+from dualwrite.lease import Lease, Leases
 from dualwrite.prepared_state import PreparedTxnState
 from dualwrite.producer import Headers, TwoPhaseProducer
 from dualwrite.state_store import StateRow, StateStore, writer_connection
@@ -141,6 +145,11 @@ class DualWriter:
         """The claim, once seen under the lock: no one has acted on the id since."""
         self._settled = ""
         """The stored state this writer last finished or committed itself."""
+        self._leases = Leases(self._engine)
+        self._lease: Lease | None = None
+        """Held while this writer may begin transactions before taking the row lock."""
+        self._locked_xid: int | None = None
+        """PostgreSQL: the database transaction holding the row lock (names the decision)."""
         self._helper = ThreadPoolExecutor(1, thread_name_prefix=f"dualwrite-{self._tid}")
 
     @property
@@ -172,6 +181,9 @@ class DualWriter:
                              exc)
             producer.close()
         self._drop_connection()
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
         self._helper.shutdown(wait=False)
 
     def __enter__(self) -> DualWriter:
@@ -180,16 +192,48 @@ class DualWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _finish_in_doubt(self, conn: Connection, producer: TwoPhaseProducer, stored: str) -> None:
-        """Finish what the stored state says, unless this session committed it itself."""
+    def _finish_in_doubt(self, conn: Connection, producer: TwoPhaseProducer, stored: str) -> bool:
+        """Finish what the stored state says, unless this session committed it itself.
+
+        A heuristic abort handed to the hook is settled in its own database transaction: the
+        hook's re-publish and the cleared state commit together, here, so that nothing that
+        fails later (the block, the Kafka begin) can roll the re-publish back while the loss is
+        forgotten. Returns True then (``conn``'s transaction is committed and the lock gone).
+        """
         state = PreparedTxnState.parse(stored)
         try:
-            producer.complete_transaction(state)
+            producer.complete_transaction(state, owner_alive=self._owner_alive(conn))
         except HeuristicAbortError as exc:
             if self._hook is None:
                 raise
             log.error("heuristic abort, calling the re-publish hook: %s", exc)
             self._hook(exc, conn)
+            self._store.write(conn, self._tid, "")
+            conn.commit()
+            log.warning("transactional_id=%s: the re-publish of state=%s is committed and the "
+                        "loss acknowledged", self._tid, stored)
+            return True
+        return False
+
+    def _owner_alive(self, conn: Connection) -> Callable[[], bool] | None:
+        """Whether another writer may still run the session that prepared the stored state.
+
+        Only a lease holder begins transactions before the row lock, so only while another
+        process holds the lease could an EndTxn by (producer id, epoch) land on a later
+        transaction than the one the stored state names. None: nobody else can hold it.
+        """
+        if self._lease is not None or not self._leases.supported:
+            return None
+        return lambda: not self._take_lease(conn)
+
+    def _take_lease(self, conn: Connection) -> bool:
+        """Take this id's lease if free (on ``conn``'s session on PostgreSQL); True if held."""
+        if self._lease is None and self._leases.supported:
+            self._lease = self._leases.try_acquire(conn, self._tid)
+            if self._lease is not None:
+                log.info("transactional_id=%s: lease taken; later transactions lock the state "
+                         "row after their first record", self._tid)
+        return self._lease is not None
 
     @contextmanager
     def transaction(self) -> Iterator[DualWriteTransaction]:
@@ -199,7 +243,7 @@ class DualWriter:
             # session finishes it from the stored state, as after a restart.
             self._close_producer()
         producer = self.producer
-        if self._generation is not None and producer.ready:
+        if self._generation is not None and self._lease is not None and producer.ready:
             producer.begin_transaction()
             tx = DualWriteTransaction(None, producer, self._take_deferred_lock)
         else:
@@ -299,22 +343,28 @@ class DualWriter:
         Another process's claim since this writer's means it may have acted on the id: claim
         again, so that whatever this writer does next under the lock is its own to do.
         """
-        for _ in range(_CLAIM_ATTEMPTS):
+        attempts = 0
+        while attempts < _CLAIM_ATTEMPTS:
             if claim:
                 self._claim()
             conn, row = self._begin_and_lock()
             if row.fencing_generation not in (self._generation, self._claimed):
                 self._rollback(conn)
                 claim = True
+                attempts += 1
                 continue
             try:
-                self._finish_in_doubt(conn, producer, row.prepared_txn_state)
+                self._take_lease(conn)
+                published = self._finish_in_doubt(conn, producer, row.prepared_txn_state)
             except BaseException:
                 # Not settled (e.g. a heuristic abort awaiting recovery): the next transaction
                 # locks first again, before its body runs.
                 self._generation = None
                 self._rollback(conn)
                 raise
+            if published:
+                claim = False  # the loss is settled and committed: lock again for the block
+                continue
             self._generation, self._settled = row.fencing_generation, row.prepared_txn_state
             return conn
         raise RetriableError(f"transactional_id={self._tid} was claimed by other processes "
@@ -333,7 +383,9 @@ class DualWriter:
             conn = self._conn
             try:
                 conn.begin()
-                return conn, self._store.lock_row(conn, self._tid)
+                row = self._store.lock_row(conn, self._tid)
+                self._locked_xid = row.locked_by_xid
+                return conn, row
             except BaseException as exc:
                 self._drop_connection()
                 lost = isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated
@@ -356,8 +408,12 @@ class DualWriter:
             producer.close()
 
     def _drop_connection(self) -> None:
-        """Let go of the writer's connection; what it held is rolled back, freeing the row lock."""
+        """Let go of the writer's connection; what it held is rolled back, freeing the row lock
+        (and, on PostgreSQL, the lease: the next transaction locks first again)."""
         conn, self._conn = self._conn, None
+        if self._lease is not None and self._lease.ends_with_connection:
+            self._lease.release()
+            self._lease = None
         if conn is not None:
             try:
                 conn.close()
@@ -384,25 +440,42 @@ class DualWriter:
         except sa.exc.DBAPIError as exc:
             log.warning("database COMMIT of transactional_id=%s state=%s failed (%s); asking the "
                         "database for the outcome", self._tid, state, exc.__class__.__name__)
+            xid = self._locked_xid
             self._drop_connection()  # a failed pipeline can leave the row locked until then
-            if not self._database_committed(state):
+            if not self._database_committed(state, xid):
                 self._abort_quietly(producer)
                 raise
             log.warning("the database did commit transactional_id=%s state=%s", self._tid, state)
         producer.commit_transaction()
 
-    def _database_committed(self, state: PreparedTxnState) -> bool:
-        """Whether the decision reached the database; waits for the row lock to be sure."""
-        try:
-            with transaction(self._engine) as conn:
-                # Taking the lock waits for the failed session's transaction to end either way.
-                return self._store.lock(conn, self._tid) == str(state)
-        except DatabaseUnreachableError as exc:
-            raise DatabaseUnreachableError(
-                f"the database COMMIT of transactional_id={self._tid} state={state} has an "
-                f"unknown outcome and the database cannot be asked ({exc}); the Kafka transaction "
-                "stays open: run `dualwrite recover` when the database is back"
-            ) from exc
+    def _database_committed(self, state: PreparedTxnState, xid: int | None) -> bool:
+        """Whether the decision's database transaction committed: asked by its id, never by
+        comparing stored states (an empty block stores the same ``""`` as before, and recovery
+        may clear a state in between). Waits, bounded, while it is still in progress.
+
+        SQLite (no ``xid``): a COMMIT that raised was not applied — SQLite commits atomically,
+        and a failed COMMIT leaves the transaction open (busy) or rolls it back (I/O error).
+        """
+        if xid is None:
+            return False
+        unknown = (f"the database COMMIT of transactional_id={self._tid} state={state} has an "
+                   "unknown outcome")
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            try:
+                status = self._store.transaction_status(xid)
+            except DatabaseUnreachableError as exc:
+                raise DatabaseUnreachableError(
+                    f"{unknown} and the database cannot be asked ({exc}); the Kafka transaction "
+                    "stays open: run `dualwrite recover` when the database is back") from exc
+            if status in ("committed", "aborted"):
+                return status == "committed"
+            if status is None or time.monotonic() > deadline:
+                raise OutcomeUnknownError(
+                    f"{unknown}: the database reports transaction {xid} as "
+                    f"{status or 'unknown'}; the Kafka transaction stays open: run `dualwrite "
+                    "recover` once the database transaction has ended")
+            time.sleep(0.05)
 
     def _abort_quietly(self, producer: TwoPhaseProducer) -> None:
         if not producer.has_open_transaction:

@@ -37,6 +37,7 @@ from dualwrite.errors import (
     DualWriteError,
     HeuristicAbortError,
 )
+from dualwrite.lease import Leases
 from dualwrite.prepared_state import PreparedTxnState
 from dualwrite.state_store import StateRow, StateStore
 
@@ -66,6 +67,9 @@ class Outcome(enum.Enum):
     NOTHING = "nothing-to-do"
     HEURISTIC_ABORT = "heuristic-abort"
     ACKNOWLEDGED = "heuristic-acknowledged"
+    LEFT_TO_WRITER = "left-to-live-writer"
+    """A live writer holds the id's lease: it finishes its own transactions (and recovery,
+    acting by producer id and epoch, could end the writer's next one instead)."""
     FAILED = "failed"
 
     @property
@@ -163,42 +167,35 @@ class RecoveryReport:
         }
 
 
+_LIVE_WRITER = ("a live writer holds this transactional id's lease and finishes its own "
+                "transactions; recovery leaves it alone")
+
+
 def _resolve_chunk(store: StateStore, engine: Engine, cp: ControlPlane,
                    consumer_config: Mapping[str, Any], ids: Sequence[str],
                    acknowledge_heuristic: bool, timeout_s: float, first_pass: bool,
                    aborted_first: set[str]) -> list[RecoveryResult | None]:
     """Resolve a few ids in one database transaction that holds their state-row locks.
 
-    The ids are claimed first (their fencing generation raised and committed), and acted on only
-    under locks that still show that claim: a live writer whose records left before its lock was
-    granted learns from the generation that recovery may have ended its transaction. Holding the
-    locks keeps writers of these ids out while the bulk answers are used. The first pass only ends
-    open transactions and returns None for ids whose named transaction must still be checked at
-    its anchor.
+    Only ids whose lease is free are touched (:mod:`dualwrite.lease`): a live writer that holds
+    its lease may begin its next transaction under the same (producer id, epoch) at any moment,
+    where an EndTxn decided here could land; it is left alone, unclaimed, undisturbed. The
+    others are claimed (their fencing generation raised and committed) and acted on only under
+    locks that still show that claim: a writer whose lease lapsed learns from the generation that
+    recovery may have acted. Holding the locks keeps writers of these ids out while the bulk
+    answers are used. The first pass only ends open transactions and returns None for ids whose
+    named transaction must still be checked at its anchor.
     """
     stored: dict[str, str] = {}
     try:
-        claimed = store.claim(ids)
-        with transaction(engine) as conn:
-            results: dict[str, RecoveryResult | None] = {}
-            states: dict[str, PreparedTxnState] = {}
-            for tid, row in store.lock_rows(conn, ids).items():
-                text = stored[tid] = row.prepared_txn_state
-                if row.fencing_generation != claimed[tid]:
-                    results[tid] = RecoveryResult(
-                        tid, text, Outcome.FAILED, "a writer of this transactional id started "
-                        "while recovery was about to act on it; nothing was done: run recovery "
-                        "again once that writer has stopped (or let it finish the id itself)")
-                    continue
-                try:
-                    states[tid] = PreparedTxnState.parse(text)
-                except DualWriteError as exc:
-                    results[tid] = RecoveryResult(tid, text, Outcome.FAILED, str(exc))
-            prefetched = prefetch(cp, states)
-            for tid, state in states.items():
-                results[tid] = _resolve_one(store, conn, cp, consumer_config, tid, state,
-                                            acknowledge_heuristic, timeout_s, prefetched,
-                                            first_pass, aborted_first)
+        with Leases(engine).hold_free(engine, ids) as free:
+            results: dict[str, RecoveryResult | None] = {
+                tid: RecoveryResult(tid, "", Outcome.LEFT_TO_WRITER, _LIVE_WRITER)
+                for tid in ids if tid not in free}
+            acting = [tid for tid in ids if tid in free]
+            if acting:
+                _resolve_held(store, engine, cp, consumer_config, acting, acknowledge_heuristic,
+                              timeout_s, first_pass, aborted_first, stored, results)
             return [results[tid] for tid in ids]
     except (BrokerUnreachableError, DatabaseUnreachableError) as exc:
         return [RecoveryResult(tid, stored.get(tid, ""), Outcome.FAILED, str(exc),
@@ -207,6 +204,34 @@ def _resolve_chunk(store: StateStore, engine: Engine, cp: ControlPlane,
         log.error("recovery of %d transactional ids failed: %s", len(ids), exc)
         return [RecoveryResult(tid, stored.get(tid, ""), Outcome.FAILED, str(exc))
                 for tid in ids]
+
+
+def _resolve_held(store: StateStore, engine: Engine, cp: ControlPlane,
+                  consumer_config: Mapping[str, Any], ids: Sequence[str],
+                  acknowledge_heuristic: bool, timeout_s: float, first_pass: bool,
+                  aborted_first: set[str], stored: dict[str, str],
+                  results: dict[str, RecoveryResult | None]) -> None:
+    """:func:`_resolve_chunk` for ids whose leases recovery holds."""
+    claimed = store.claim(ids)
+    with transaction(engine) as conn:
+        states: dict[str, PreparedTxnState] = {}
+        for tid, row in store.lock_rows(conn, ids).items():
+            text = stored[tid] = row.prepared_txn_state
+            if row.fencing_generation != claimed[tid]:
+                results[tid] = RecoveryResult(
+                    tid, text, Outcome.FAILED, "a writer of this transactional id started "
+                    "while recovery was about to act on it; nothing was done: run recovery "
+                    "again once that writer has stopped (or let it finish the id itself)")
+                continue
+            try:
+                states[tid] = PreparedTxnState.parse(text)
+            except DualWriteError as exc:
+                results[tid] = RecoveryResult(tid, text, Outcome.FAILED, str(exc))
+        prefetched = prefetch(cp, states)
+        for tid, state in states.items():
+            results[tid] = _resolve_one(store, conn, cp, consumer_config, tid, state,
+                                        acknowledge_heuristic, timeout_s, prefetched,
+                                        first_pass, aborted_first)
 
 
 def _resolve_one(store: StateStore, conn: Connection, cp: ControlPlane,

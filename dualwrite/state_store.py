@@ -60,6 +60,10 @@ class StateRow:
     prepared_txn_state: str
     updated_at: datetime
     fencing_generation: int = 0
+    locked_by_xid: int | None = None
+    """PostgreSQL: the id (``txid_current()``) of the transaction that locked the row, when the
+    row comes from :meth:`StateStore.lock_row`; it names that one database transaction, so its
+    outcome can be asked after a failed COMMIT (:meth:`StateStore.transaction_status`)."""
 
 
 def _check(name: str, value: str, *, allow_empty: bool) -> None:
@@ -88,8 +92,10 @@ def _is_missing_schema(exc: sa.exc.DBAPIError) -> bool:
 
 
 def _state_row(row: Any) -> StateRow:
-    """A row selected or returned in the order of ``StateStore._columns``."""
-    return StateRow(str(row[0]), str(row[1]), _utc(row[2]), int(row[3]))
+    """A row selected or returned in the order of ``StateStore._columns`` (then, when locked on
+    PostgreSQL, the locking transaction's id)."""
+    xid = int(row[4]) if len(row) > 4 and row[4] is not None else None
+    return StateRow(str(row[0]), str(row[1]), _utc(row[2]), int(row[3]), xid)
 
 
 def _require_transaction(conn: Connection, method: str) -> None:
@@ -181,7 +187,8 @@ class StateStore:
             f"INSERT INTO {quoted} (transactional_id, prepared_txn_state, updated_at) "
             "VALUES (%s, '', %s) ON CONFLICT (transactional_id) "
             "DO UPDATE SET transactional_id = EXCLUDED.transactional_id "
-            "RETURNING transactional_id, prepared_txn_state, updated_at, fencing_generation")
+            "RETURNING transactional_id, prepared_txn_state, updated_at, fencing_generation, "
+            "txid_current()")
         self._pg_write_sql = (f"UPDATE {quoted} SET prepared_txn_state = %s, updated_at = %s "
                               "WHERE transactional_id = %s")
 
@@ -215,7 +222,7 @@ class StateStore:
                                   updated_at=datetime.now(UTC))
                           .on_conflict_do_update(index_elements=[t.c.transactional_id],
                                                  set_={"transactional_id": tid})
-                          .returning(*self._columns))
+                          .returning(*self._columns, sa.func.txid_current()))
                 found = conn.execute(upsert).one()
             else:
                 conn.execute(self._insert_missing(conn, tid))
@@ -378,6 +385,21 @@ class StateStore:
                 self._reraise(conn, exc)
         logger.debug("claimed %s", claimed)
         return claimed
+
+    def transaction_status(self, xid: int) -> str | None:
+        """PostgreSQL's verdict on the transaction ``xid`` (:attr:`StateRow.locked_by_xid`):
+        ``"committed"``, ``"aborted"``, ``"in progress"``, or None once it is too old to know.
+
+        This names one database transaction, unlike the stored state (two transactions can
+        store the same string, and recovery may clear it in between).
+        """
+        with transaction(self.engine, read_only=True) as conn:
+            try:
+                found = conn.execute(sa.text("SELECT txid_status(:xid)"), {"xid": xid})
+                status: str | None = found.scalar_one()
+            except sa.exc.DBAPIError as exc:
+                self._reraise(conn, exc)
+        return status
 
     def compare_and_set(self, transactional_id: str, expected: str, new: str) -> bool:
         """Set the state to ``new`` only if it is still ``expected``; True if it was set.

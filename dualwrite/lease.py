@@ -1,0 +1,174 @@
+"""Writer leases: who may end a transactional id's Kafka transactions by (producer id, epoch).
+
+librdkafka keeps one (producer id, epoch) for a whole producer session (the TV1 path), so an
+EndTxn that another process decided from a snapshot can land on the session's *next* transaction
+(the shape of Jepsen's delayed-EndTxn finding, KAFKA-17754). A writer that begins its next
+transaction before it takes the state-row lock (the deferred lock, see docs/design.md) therefore
+holds a *lease* on its transactional id for as long as its session runs, and nobody else ends a
+transaction of that id by (producer id, epoch) while the lease is held: recovery leaves a leased
+id to its writer, and a second writer of the id waits for the holder to commit its own
+transaction. A writer without the lease takes the row lock before it begins each transaction.
+
+PostgreSQL: a session-level advisory lock, held by the writer's own connection and released by
+the server when that session ends (also when the process dies). SQLite: an exclusive ``flock`` on
+a file beside the database file, released by the kernel when the process dies. An in-memory
+SQLite database has no leases (one process only): its writers always lock first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import sqlalchemy as sa
+from sqlalchemy import Connection, Engine
+
+from dualwrite.database import unreachable_error
+from dualwrite.errors import FatalError
+
+__all__ = ["Lease", "Leases"]
+
+log = logging.getLogger(__name__)
+
+
+def _advisory_keys(transactional_id: str) -> tuple[int, int]:
+    """The two int4 keys of an id's advisory lock (the two-key space, apart from bigint keys)."""
+    digest = hashlib.sha256(b"dualwrite-lease\0" + transactional_id.encode()).digest()
+    return (int.from_bytes(digest[:4], "big", signed=True),
+            int.from_bytes(digest[4:8], "big", signed=True))
+
+
+class Lease:
+    """One held lease; :meth:`release` gives it back (idempotent)."""
+
+    def __init__(self, transactional_id: str, *, conn: Connection | None = None,
+                 fd: int | None = None) -> None:
+        self.transactional_id = transactional_id
+        self._conn = conn
+        self._fd = fd
+
+    @property
+    def ends_with_connection(self) -> bool:
+        """The lease is the connection's (PostgreSQL): losing the connection loses the lease."""
+        return self._conn is not None
+
+    def release(self) -> None:
+        conn, self._conn = self._conn, None
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor drops the flock
+        if conn is not None:
+            try:
+                k1, k2 = _advisory_keys(self.transactional_id)
+                conn.exec_driver_sql(f"SELECT pg_advisory_unlock({k1}, {k2})")
+                if conn.in_transaction() and not conn.in_nested_transaction():
+                    conn.commit()
+            except sa.exc.SQLAlchemyError as exc:  # the session ends, and the lock with it
+                log.debug("releasing the lease of %s: %s", self.transactional_id, exc)
+                with contextlib.suppress(sa.exc.SQLAlchemyError):
+                    conn.invalidate()
+
+
+class Leases:
+    """Takes writer leases on one database (see the module docstring)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._dialect = engine.dialect.name
+        self._dir: Path | None = None
+        if self._dialect == "sqlite":
+            database = engine.url.database
+            if database and database != ":memory:" and not database.startswith("file:"):
+                db = Path(database).resolve()
+                self._dir = db.with_name(db.name + ".dualwrite-leases")
+
+    @property
+    def supported(self) -> bool:
+        return self._dialect == "postgresql" or self._dir is not None
+
+    def try_acquire(self, conn: Connection, transactional_id: str) -> Lease | None:
+        """Take ``transactional_id``'s lease without waiting; None if someone else holds it.
+
+        On PostgreSQL the lease belongs to ``conn``'s session (it survives its transactions).
+        """
+        return self.try_acquire_many(conn, [transactional_id]).get(transactional_id)
+
+    def try_acquire_many(self, conn: Connection, transactional_ids: Iterable[str]
+                         ) -> dict[str, Lease]:
+        """:meth:`try_acquire` for many ids (one round trip on PostgreSQL); the ones taken."""
+        ids = sorted(set(transactional_ids))
+        if not ids or not self.supported:
+            return {}
+        if self._dialect == "postgresql":
+            keys = {tid: _advisory_keys(tid) for tid in ids}
+            columns = ", ".join(f"pg_try_advisory_lock({k1}, {k2})" for k1, k2 in keys.values())
+            got = conn.exec_driver_sql(f"SELECT {columns}").one()
+            return {tid: Lease(tid, conn=conn) for tid, ok in zip(ids, got, strict=True) if ok}
+        return self._try_files(ids)
+
+    @contextmanager
+    def hold_free(self, engine: Engine, transactional_ids: Iterable[str]) -> Iterator[set[str]]:
+        """Hold, for the block, the leases of the ids nobody holds; yields those ids.
+
+        Where there are no leases every id is yielded: no writer can then begin a transaction
+        before its row lock, so the row lock alone keeps others out. Recovery works this way:
+        it leaves an id whose live writer holds the lease to that writer.
+        """
+        ids = sorted(set(transactional_ids))
+        if not self.supported or not ids:
+            yield set(ids)
+            return
+        if self._dialect != "postgresql":
+            taken = self._try_files(ids)
+            try:
+                yield set(taken)
+            finally:
+                for lease in taken.values():
+                    lease.release()
+            return
+        try:
+            conn = engine.connect()
+        except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
+            raise unreachable_error(engine.url, exc) from exc
+        with conn:
+            try:
+                held = set(self.try_acquire_many(conn, ids))
+                conn.commit()  # session-level locks outlive the transaction
+            except sa.exc.DBAPIError as exc:
+                conn.invalidate()
+                raise unreachable_error(engine.url, exc) from exc
+            try:
+                yield held
+            finally:
+                try:
+                    conn.exec_driver_sql("SELECT pg_advisory_unlock_all()")
+                    conn.commit()
+                except sa.exc.SQLAlchemyError:
+                    conn.invalidate()  # closing the session releases them
+
+    def _try_files(self, ids: list[str]) -> dict[str, Lease]:
+        assert self._dir is not None
+        taken: dict[str, Lease] = {}
+        try:
+            self._dir.mkdir(exist_ok=True)
+            for tid in ids:
+                name = hashlib.sha256(tid.encode()).hexdigest()[:32] + ".lock"
+                fd = os.open(self._dir / name, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                taken[tid] = Lease(tid, fd=fd)
+        except OSError as exc:
+            for lease in taken.values():
+                lease.release()
+            raise FatalError(f"cannot use the lease folder {self._dir} beside the SQLite "
+                             f"database ({exc.strerror}); dualwrite needs to create files "
+                             "there") from exc
+        return taken
