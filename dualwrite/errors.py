@@ -145,3 +145,24 @@ class BatchHeuristicAbortError(HeuristicOutcomeError):
         self.sink_id = sink_id
         self.batch_id = batch_id
         self.causes = causes
+
+
+class HeuristicCommitError(HeuristicOutcomeError):
+    """Kafka committed records that no database decision covers.
+
+    A writer's records left before its state-row lock was granted and another process then
+    committed them by (producer id, epoch) — possible only after the writer's lease was lost
+    with its database session (see "Leases" in docs/design.md). The block stops before it wrote
+    anything; the records it names are visible without their rows: compensate, or write the
+    rows that match them.
+    """
+
+    def __init__(self, transactional_id: str, state: str, detail: str) -> None:
+        super().__init__(
+            f"transactional id {transactional_id!r}: the records of Kafka transaction {state!r} "
+            f"are committed although the database decided nothing for them ({detail}); the "
+            "block was stopped before it wrote its rows."
+        )
+        self.transactional_id = transactional_id
+        self.state = state
+        self.detail = detail

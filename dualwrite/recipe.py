@@ -23,12 +23,15 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
+from dualwrite.completion import committed_at_anchor
+from dualwrite.control_plane import TopicPartition
 from dualwrite.database import create_engine
 from dualwrite.errors import (
     DatabaseUnreachableError,
     DualWriteError,
     FatalError,
     HeuristicAbortError,
+    HeuristicCommitError,
     OutcomeUnknownError,
     ProducerFencedError,
     RetriableError,
@@ -298,12 +301,17 @@ class DualWriter:
         self._generation = None
         self._rollback(tx._connection)
         tx._connection = None
+        left = self._flush_quietly(tx._producer) if unlocked else None
         self._abort_after_claim(tx._producer)
         fresh = self._producer is None
         producer = self.producer  # a new session (and claim) if the old one had to go
         conn = self._lock_and_settle(producer, claim=not fresh)
         tx._producer = producer
         try:
+            if left is not None:
+                # Nothing of that transaction is open any more (aborted above, or by the
+                # settling): it is visible only if someone committed it by (producer id, epoch).
+                self._refuse_if_committed(left, {r[0] for r in unlocked})
             producer.begin_transaction()
             for topic, value, key, partition, headers in unlocked:
                 producer.produce(topic, value, key, partition=partition, headers=headers)
@@ -311,6 +319,31 @@ class DualWriter:
             self._rollback(conn)
             raise
         tx._connection = conn
+
+    def _flush_quietly(self, producer: TwoPhaseProducer) -> PreparedTxnState | None:
+        """The state naming the records that left before the lock, or None if none arrived."""
+        try:
+            state = producer.flush_and_state()
+        except DualWriteError as exc:  # refused (fenced) or undelivered: nothing can be visible
+            log.info("transactional_id=%s: the records sent before the lock did not all arrive "
+                     "(%s)", self._tid, exc)
+            return None
+        return None if state.is_empty else state
+
+    def _refuse_if_committed(self, left: PreparedTxnState, topics: set[str]) -> None:
+        """Raise :class:`HeuristicCommitError` if the transaction ``left`` names was committed
+        by another process: sending its records again would duplicate them."""
+        anchor = left.anchor
+        assert anchor is not None
+        tp = anchor.resolve({TopicPartition(t, anchor.partition) for t in topics})
+        if tp is None:
+            raise FatalError(f"transactional_id={self._tid}: cannot resolve the anchor {left}")
+        if committed_at_anchor(self._config, tp, anchor.offset, self._timeout_s):
+            raise HeuristicCommitError(
+                self._tid, str(left), "another process committed it by producer id and epoch "
+                "while this writer's lease was lost with its database session")
+        log.info("transactional_id=%s: the records sent before the lock were aborted (%s); "
+                 "sending them again", self._tid, left)
 
     def _abort_after_claim(self, producer: TwoPhaseProducer) -> None:
         """Abort the transaction started before the lock; stop if a newer producer fenced it."""

@@ -223,6 +223,37 @@ def test_a_second_writer_leaves_the_live_writers_transaction_to_it(
     second_engine.dispose()
 
 
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_records_committed_by_recovery_after_the_lease_was_lost_are_reported(
+        writers: Any, engine: sa.Engine, bootstrap: str, topic: str, db_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer's database session dies while it is between its two commits, so its lease is
+    free; recovery takes it and its delayed EndTxn lands on the writer's next transaction. The
+    writer learns at its lock that it was claimed. Before: it sent the record again (a silent
+    duplicate). Now it finds the record committed and raises HeuristicCommitError instead."""
+    tid = unique("lapsed")
+    writer = writers(engine, tid)
+    write_produce_first(writer, topic, "t0")
+    window = _Window(monkeypatch, writer.producer, engine, bootstrap)
+
+    def two_writes() -> None:
+        write_produce_first(writer, topic, "t1")
+        write_produce_first(writer, topic, "t2")
+
+    thread, errors = _in_thread(two_writes)
+    assert window.at_gate.wait(20)
+    assert writer._conn is not None
+    _kill_backend(db_url, _backend_pid(writer._conn))  # the lease goes with the session
+    dualwrite.recover(engine, {"bootstrap.servers": bootstrap}, [tid], timeout_s=20)
+    window.gate.set()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert read_committed(bootstrap, topic) == [b"t0", b"t1", b"t2"]  # t2 once, not twice
+    assert rows(engine) == [b"t0", b"t1"]
+    assert len(errors) == 1 and isinstance(errors[0], dualwrite.HeuristicCommitError), errors
+    assert window.commits_sent == [tid]
+
+
 # -- 3. a fenced producer touches nothing ------------------------------------------------------
 
 
