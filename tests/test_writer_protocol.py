@@ -381,3 +381,81 @@ def test_a_commit_whose_answer_was_lost_is_committed_even_if_the_state_was_clear
     monkeypatch.undo()
     write(writer, topic, ["next"])
     assert assert_invariant(engine, bootstrap, topic) == [b"acked-late", b"next"]
+
+
+# -- the issue's own reproduction: writers and a recovery loop, every EndTxn and commit late ---
+
+RECOVERY_LOOP_S = float(__import__("os").environ.get("DUALWRITE_RECOVERY_LOOP_S", "8"))
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_writers_beside_a_recovery_loop_with_late_commits(
+        writers: Any, db_url: str, bootstrap: str, topic: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Two writers (own ids, own engines) produce first while recover() runs in a loop, with
+    every Kafka commit and every control-plane EndTxn delayed by 30 ms (a GC pause, a slow
+    network). Measured before leases: duplicates, and each writer starting over on every pass.
+    ``DUALWRITE_RECOVERY_LOOP_S`` sets the duration (default 8 s)."""
+    real_end = ControlPlane.end_transaction
+    real_commit = TwoPhaseProducer.commit_transaction
+
+    def late_end(cp: ControlPlane, tid: str, pid: int, epoch: int, commit: bool) -> None:
+        time.sleep(0.03)
+        real_end(cp, tid, pid, epoch, commit)
+
+    def late_commit(producer: TwoPhaseProducer) -> None:
+        time.sleep(0.03)
+        real_commit(producer)
+
+    monkeypatch.setattr(ControlPlane, "end_transaction", late_end)
+    monkeypatch.setattr(TwoPhaseProducer, "commit_transaction", late_commit)
+    stop = threading.Event()
+    counts = {"passes": 0}
+    failures: list[BaseException] = []
+    written: dict[str, int] = {}
+
+    def write_loop(name: str) -> None:
+        own = dualwrite.create_engine(db_url)
+        writer = writers(own, unique(f"loop-{name}"))
+        written[name] = 0
+        try:
+            while not stop.is_set():
+                write_produce_first(writer, topic, f"{name}{written[name]}")
+                written[name] += 1
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            writer.close()
+            own.dispose()
+
+    def recover_loop() -> None:
+        recovery_engine = dualwrite.create_engine(db_url)
+        while not stop.is_set():
+            report = dualwrite.recover(recovery_engine, {"bootstrap.servers": bootstrap},
+                                       timeout_s=20)
+            if not report.ok:
+                failures.append(AssertionError(report.as_dict()))
+            counts["passes"] += 1
+        recovery_engine.dispose()
+
+    threads = [threading.Thread(target=write_loop, args=(n,)) for n in "AB"]
+    threads.append(threading.Thread(target=recover_loop))
+    for t in threads:
+        t.start()
+    time.sleep(RECOVERY_LOOP_S)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    engine = dualwrite.create_engine(db_url)
+    committed_rows = rows(engine)
+    records = read_committed(bootstrap, topic)
+    engine.dispose()
+    restarts = caplog.text.count("starting the transaction over")
+    print(f"recovery loop: {RECOVERY_LOOP_S:g} s, {sum(written.values())} transactions, "
+          f"{counts['passes']} recovery passes, {len(records)} records, "
+          f"{len(committed_rows)} rows, {len(records) - len(set(records))} duplicates, "
+          f"{restarts} restarts")
+    assert failures == []
+    assert records == committed_rows
+    assert restarts == 0
+    assert sum(written.values()) > 20 and counts["passes"] > 3
