@@ -158,13 +158,24 @@ def unreachable_error(url: URL, exc: BaseException) -> DatabaseUnreachableError:
 
 
 @contextmanager
-def transaction(engine: Engine, *, read_only: bool = False) -> Iterator[Connection]:
+def transaction(engine: Engine, *, read_only: bool = False,
+                connection: Connection | None = None) -> Iterator[Connection]:
     """A short transaction of its own: commit on success, roll back on error.
 
     Failing to connect, or losing the connection inside the block, raises
     :class:`DatabaseUnreachableError`. ``read_only`` only matters on SQLite, where it begins a
-    deferred transaction that does not wait for (or block) writers.
+    deferred transaction that does not wait for (or block) writers. ``connection``: run it on
+    this open connection (not in a transaction) instead of one from the pool; it stays open.
     """
+    if connection is not None:
+        try:
+            with connection.begin():
+                yield connection
+        except sa.exc.DBAPIError as exc:
+            if exc.connection_invalidated:
+                raise unreachable_error(engine.url, exc) from exc
+            raise
+        return
     try:
         conn = engine.connect()
     except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:

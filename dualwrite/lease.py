@@ -24,6 +24,7 @@ import logging
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -32,7 +33,7 @@ from sqlalchemy import Connection, Engine
 from dualwrite.database import unreachable_error
 from dualwrite.errors import FatalError
 
-__all__ = ["Lease", "Leases"]
+__all__ = ["HeldLeases", "Lease", "Leases"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,15 @@ class Lease:
                     conn.invalidate()
 
 
+@dataclass(frozen=True)
+class HeldLeases:
+    """What :meth:`Leases.hold_free` holds: the ids, and on PostgreSQL the connection whose
+    session holds them (free for other work outside a transaction while the block runs)."""
+
+    ids: frozenset[str]
+    connection: Connection | None
+
+
 class Leases:
     """Takes writer leases on one database (see the module docstring)."""
 
@@ -112,21 +122,21 @@ class Leases:
         return self._try_files(ids)
 
     @contextmanager
-    def hold_free(self, engine: Engine, transactional_ids: Iterable[str]) -> Iterator[set[str]]:
-        """Hold, for the block, the leases of the ids nobody holds; yields those ids.
+    def hold_free(self, engine: Engine, transactional_ids: Iterable[str]) -> Iterator[HeldLeases]:
+        """Hold, for the block, the leases of the ids nobody holds.
 
-        Where there are no leases every id is yielded: no writer can then begin a transaction
+        Where there are no leases every id is held: no writer can then begin a transaction
         before its row lock, so the row lock alone keeps others out. Recovery works this way:
         it leaves an id whose live writer holds the lease to that writer.
         """
         ids = sorted(set(transactional_ids))
         if not self.supported or not ids:
-            yield set(ids)
+            yield HeldLeases(frozenset(ids), None)
             return
         if self._dialect != "postgresql":
             taken = self._try_files(ids)
             try:
-                yield set(taken)
+                yield HeldLeases(frozenset(taken), None)
             finally:
                 for lease in taken.values():
                     lease.release()
@@ -137,13 +147,13 @@ class Leases:
             raise unreachable_error(engine.url, exc) from exc
         with conn:
             try:
-                held = set(self.try_acquire_many(conn, ids))
+                held = frozenset(self.try_acquire_many(conn, ids))
                 conn.commit()  # session-level locks outlive the transaction
             except sa.exc.DBAPIError as exc:
                 conn.invalidate()
                 raise unreachable_error(engine.url, exc) from exc
             try:
-                yield held
+                yield HeldLeases(held, conn)
             finally:
                 try:
                     conn.exec_driver_sql("SELECT pg_advisory_unlock_all()")

@@ -188,14 +188,15 @@ def _resolve_chunk(store: StateStore, engine: Engine, cp: ControlPlane,
     """
     stored: dict[str, str] = {}
     try:
-        with Leases(engine).hold_free(engine, ids) as free:
+        with Leases(engine).hold_free(engine, ids) as held:
             results: dict[str, RecoveryResult | None] = {
                 tid: RecoveryResult(tid, "", Outcome.LEFT_TO_WRITER, _LIVE_WRITER)
-                for tid in ids if tid not in free}
-            acting = [tid for tid in ids if tid in free]
+                for tid in ids if tid not in held.ids}
+            acting = [tid for tid in ids if tid in held.ids]
             if acting:
-                _resolve_held(store, engine, cp, consumer_config, acting, acknowledge_heuristic,
-                              timeout_s, first_pass, aborted_first, stored, results)
+                _resolve_held(store, engine, held.connection, cp, consumer_config, acting,
+                              acknowledge_heuristic, timeout_s, first_pass, aborted_first,
+                              stored, results)
             return [results[tid] for tid in ids]
     except (BrokerUnreachableError, DatabaseUnreachableError) as exc:
         return [RecoveryResult(tid, stored.get(tid, ""), Outcome.FAILED, str(exc),
@@ -206,14 +207,15 @@ def _resolve_chunk(store: StateStore, engine: Engine, cp: ControlPlane,
                 for tid in ids]
 
 
-def _resolve_held(store: StateStore, engine: Engine, cp: ControlPlane,
-                  consumer_config: Mapping[str, Any], ids: Sequence[str],
+def _resolve_held(store: StateStore, engine: Engine, lease_conn: Connection | None,
+                  cp: ControlPlane, consumer_config: Mapping[str, Any], ids: Sequence[str],
                   acknowledge_heuristic: bool, timeout_s: float, first_pass: bool,
                   aborted_first: set[str], stored: dict[str, str],
                   results: dict[str, RecoveryResult | None]) -> None:
-    """:func:`_resolve_chunk` for ids whose leases recovery holds."""
-    claimed = store.claim(ids)
-    with transaction(engine) as conn:
+    """:func:`_resolve_chunk` for ids whose leases recovery holds (on ``lease_conn``'s session,
+    which then does the work too: one connection per chunk)."""
+    claimed = store.claim(ids, connection=lease_conn)
+    with transaction(engine, connection=lease_conn) as conn:
         states: dict[str, PreparedTxnState] = {}
         for tid, row in store.lock_rows(conn, ids).items():
             text = stored[tid] = row.prepared_txn_state

@@ -355,13 +355,15 @@ class StateStore:
                 self._reraise(conn, exc)
         return [_state_row(r) for r in rows]
 
-    def claim(self, transactional_ids: Sequence[str]) -> dict[str, int]:
+    def claim(self, transactional_ids: Sequence[str], *,
+              connection: Connection | None = None) -> dict[str, int]:
         """Raise the fencing generation of each id (creating missing rows) and commit.
 
         Call this before ending or fencing any Kafka transaction of these ids, then act only in a
         later transaction that holds the row lock and still sees the generation returned here.
         A writer whose records left before its lock was granted then sees a generation other
         than its own whenever someone may have acted on its transaction meanwhile.
+        ``connection``: an open connection to use (outside a transaction) instead of the pool's.
         """
         ids = sorted(set(transactional_ids))  # one lock order for every locker: no deadlocks
         for tid in ids:
@@ -372,7 +374,7 @@ class StateStore:
         now = datetime.now(UTC)
         rows = [{"transactional_id": tid, "prepared_txn_state": "", "updated_at": now,
                  "fencing_generation": 1} for tid in ids]
-        with transaction(self.engine) as conn:
+        with transaction(self.engine, connection=connection) as conn:
             insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
             # One statement; its rows are upserted (and locked) in the order given.
             stmt = insert(t).values(rows).on_conflict_do_update(
