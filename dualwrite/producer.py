@@ -447,7 +447,10 @@ class TwoPhaseProducer:
 
         If librdkafka's commit fails in a way that leaves the outcome open, the coordinator is
         asked and the transaction committed by (producer id, epoch) if it is still open;
-        :class:`HeuristicAbortError` if Kafka aborted it.
+        :class:`HeuristicAbortError` if Kafka aborted it. When the coordinator has moved to
+        another epoch meanwhile (a newer producer, or the broker's timeout), this producer ends
+        nothing and starts no new session — :class:`ProducerFencedError` if its transaction
+        committed all the same — and a new producer must take over.
         """
         self._require(_Phase.PREPARED, _Phase.IN_TRANSACTION, verb="commit_transaction")
         if self._phase is _Phase.IN_TRANSACTION:

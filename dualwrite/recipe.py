@@ -489,10 +489,13 @@ class DualWriter:
         SQLite (no ``xid``): a COMMIT that raised was not applied — SQLite commits atomically,
         and a failed COMMIT leaves the transaction open (busy) or rolls it back (I/O error).
         """
-        if xid is None:
-            return False
         unknown = (f"the database COMMIT of transactional_id={self._tid} state={state} has an "
                    "unknown outcome")
+        if xid is None:
+            if self._engine.dialect.name == "sqlite":
+                return False
+            raise OutcomeUnknownError(f"{unknown}: the lock returned no transaction id to ask "
+                                      "about; run `dualwrite recover`")
         deadline = time.monotonic() + self._timeout_s
         while True:
             try:
