@@ -416,7 +416,7 @@ class DualWriter:
             conn = self._conn
             try:
                 conn.begin()
-                row = self._store.lock_row(conn, self._tid)
+                row = self._store.lock_row(conn, self._tid, timeout_s=self._timeout_s)
                 self._locked_xid = row.locked_by_xid
                 return conn, row
             except BaseException as exc:

@@ -36,7 +36,12 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.dialects import postgresql, sqlite
 
 from dualwrite.database import STATE_TABLE, transaction, upgrade_command, uses_begin_immediate
-from dualwrite.errors import FatalError, MigrationRequiredError, TransactionStateError
+from dualwrite.errors import (
+    FatalError,
+    LockTimeoutError,
+    MigrationRequiredError,
+    TransactionStateError,
+)
 
 __all__ = ["MAX_LENGTH", "StateRow", "StateStore", "writer_connection"]
 
@@ -75,6 +80,14 @@ def _check(name: str, value: str, *, allow_empty: bool) -> None:
         raise ValueError(
             f"{name} is {len(value)} characters long; the state table holds at most {MAX_LENGTH}"
         )
+
+
+_LOCK_NOT_AVAILABLE = "55P03"
+
+
+def _lock_timeout_sql(timeout_s: float) -> str:
+    """Bounds this transaction's waits for locks (PostgreSQL's lock_timeout, in ms)."""
+    return f"SET LOCAL lock_timeout = {max(1, int(timeout_s * 1000))}"
 
 
 def _utc(value: datetime) -> datetime:
@@ -204,8 +217,13 @@ class StateStore:
         """
         return self.lock_row(conn, transactional_id).prepared_txn_state
 
-    def lock_row(self, conn: Connection, transactional_id: str) -> StateRow:
-        """:meth:`lock`, returning the whole locked row (with its fencing generation)."""
+    def lock_row(self, conn: Connection, transactional_id: str, *,
+                 timeout_s: float | None = None) -> StateRow:
+        """:meth:`lock`, returning the whole locked row (with its fencing generation).
+
+        ``timeout_s`` bounds the wait for another holder of the lock on PostgreSQL (SQLite's
+        busy timeout bounds it there): :class:`LockTimeoutError` after that.
+        """
         _check("transactional_id", transactional_id, allow_empty=False)
         _require_transaction(conn, "lock")
         t, tid = self.table, transactional_id
@@ -213,8 +231,10 @@ class StateStore:
             found: Any
             raw = _psycopg_connection(conn)
             if raw is not None:
-                found = self._lock_pipelined(conn, raw, tid)
+                found = self._lock_pipelined(conn, raw, tid, timeout_s)
             elif conn.dialect.name == "postgresql":
+                if timeout_s is not None:
+                    conn.exec_driver_sql(_lock_timeout_sql(timeout_s))
                 # One round trip: the upsert takes the row lock (like FOR UPDATE) and returns the
                 # stored row unchanged.
                 upsert = (postgresql.insert(t)
@@ -312,9 +332,10 @@ class StateStore:
         logger.debug("wrote state %r for transactional id %r and committed", state,
                      transactional_id)
 
-    def _lock_pipelined(self, conn: Connection, raw: Any, transactional_id: str) -> Any:
-        """:meth:`lock_row` on psycopg (``raw`` under ``conn``): BEGIN and the upsert in one round
-        trip; returns the upsert's row."""
+    def _lock_pipelined(self, conn: Connection, raw: Any, transactional_id: str,
+                        timeout_s: float | None) -> Any:
+        """:meth:`lock_row` on psycopg (``raw`` under ``conn``): BEGIN, the lock timeout and the
+        upsert in one round trip; returns the upsert's row."""
         from psycopg.pq import TransactionStatus
 
         with _as_sqlalchemy_errors(conn, raw, self._pg_lock_sql):
@@ -323,6 +344,8 @@ class StateStore:
                     # A writer connection (see writer_connection): the BEGIN travels with the lock
                     # instead of making its own round trip.
                     raw.execute(_begin_statement(raw))
+                if timeout_s is not None:
+                    raw.execute(_lock_timeout_sql(timeout_s))
                 cursor = raw.execute(self._pg_lock_sql, (transactional_id, datetime.now(UTC)))
             row = cursor.fetchone()
         assert row is not None  # the upsert always returns its row
@@ -461,6 +484,10 @@ class StateStore:
         return sqlite.insert(self.table).values(values).on_conflict_do_nothing()
 
     def _reraise(self, conn: Connection, exc: sa.exc.DBAPIError) -> NoReturn:
+        if getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
+            raise LockTimeoutError(
+                f"the {self.table.name} row is locked by another process (a writer of the same "
+                "transactional id, or recovery) for longer than the lock timeout; retry") from exc
         if _is_missing_schema(exc):
             if self.table.name == STATE_TABLE:
                 how = (f"Create or upgrade it with: {upgrade_command(conn.engine.url)} (or, if "

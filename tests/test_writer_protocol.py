@@ -22,6 +22,7 @@ import sqlalchemy as sa
 
 import dualwrite
 from dualwrite import (
+    DualWriter,
     HeuristicAbortError,
     PreparedTxnState,
     ProducerFencedError,
@@ -381,6 +382,33 @@ def test_a_commit_whose_answer_was_lost_is_committed_even_if_the_state_was_clear
     monkeypatch.undo()
     write(writer, topic, ["next"])
     assert assert_invariant(engine, bootstrap, topic) == [b"acked-late", b"next"]
+
+
+# -- every wait is bounded ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_a_state_row_held_too_long_fails_the_writer_with_a_typed_error(
+        engine: sa.Engine, bootstrap: str, topic: str) -> None:
+    """Another process holds the state-row lock (a paused recovery, say): the writer waits no
+    longer than its timeout and raises LockTimeoutError (retriable), not a driver error."""
+    tid = unique("held")
+    writer = DualWriter(engine, {"bootstrap.servers": bootstrap}, transactional_id=tid,
+                        timeout_s=2)
+    try:
+        write_produce_first(writer, topic, "first")
+        with engine.connect() as holder:
+            holder.begin()
+            StateStore(engine).lock_row(holder, tid)
+            started = time.monotonic()
+            with pytest.raises(dualwrite.LockTimeoutError), writer.transaction() as tx:
+                tx.produce(topic, b"blocked", key=b"blocked")
+            assert time.monotonic() - started < 10
+            holder.rollback()
+        write_produce_first(writer, topic, "after")
+    finally:
+        writer.close()
+    assert assert_invariant(engine, bootstrap, topic) == [b"after", b"first"]
 
 
 # -- the issue's own reproduction: writers and a recovery loop, every EndTxn and commit late ---
