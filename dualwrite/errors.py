@@ -20,11 +20,14 @@ __all__ = [
     "DualWriteError",
     "FatalError",
     "HeuristicAbortError",
+    "HeuristicCommitError",
     "HeuristicOutcomeError",
     "InvalidPreparedStateError",
     "KafkaProtocolError",
+    "LockTimeoutError",
     "MigrationRequiredError",
     "OutcomeUnknownError",
+    "OutcomeUnreadableError",
     "ProducerFencedError",
     "RecoverableError",
     "RetriableError",
@@ -58,6 +61,10 @@ class HeuristicOutcomeError(DualWriteError):
 
 class BrokerUnreachableError(RetriableError):
     """No Kafka broker answered within the timeout."""
+
+
+class LockTimeoutError(RetriableError):
+    """A database lock dualwrite needs stayed held by another process past the timeout."""
 
 
 class DatabaseUnreachableError(RetriableError):
@@ -162,6 +169,27 @@ class HeuristicCommitError(HeuristicOutcomeError):
             f"transactional id {transactional_id!r}: the records of Kafka transaction {state!r} "
             f"are committed although the database decided nothing for them ({detail}); the "
             "block was stopped before it wrote its rows."
+        )
+        self.transactional_id = transactional_id
+        self.state = state
+        self.detail = detail
+
+
+class OutcomeUnreadableError(HeuristicOutcomeError):
+    """The log no longer shows whether the named transaction committed.
+
+    Its record at the anchor offset is gone: compacted away, below the log start (retention,
+    DeleteRecords), or its topic deleted. Nothing is re-published automatically (it may have
+    committed); an operator checks the records and runs ``dualwrite recover
+    --acknowledge-heuristic``.
+    """
+
+    def __init__(self, transactional_id: str, state: str, detail: str) -> None:
+        super().__init__(
+            f"transactional id {transactional_id!r}: whether Kafka transaction {state!r} "
+            f"committed can no longer be read from the log ({detail}). Check whether its records "
+            "reached the topic, re-publish only what is missing, then run "
+            "`dualwrite recover --acknowledge-heuristic` to clear the state."
         )
         self.transactional_id = transactional_id
         self.state = state
