@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import logging
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -34,8 +33,6 @@ from dualwrite.database import unreachable_error
 from dualwrite.errors import FatalError
 
 __all__ = ["HeldLeases", "Lease", "Leases"]
-
-log = logging.getLogger(__name__)
 
 
 def _advisory_keys(transactional_id: str) -> tuple[int, int]:
@@ -60,20 +57,15 @@ class Lease:
         return self._conn is not None
 
     def release(self) -> None:
+        """Give the lease back. On PostgreSQL that closes the holding connection: the session
+        ends and its lock with it, and nothing of an open transaction there is committed."""
         conn, self._conn = self._conn, None
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)  # closing the descriptor drops the flock
         if conn is not None:
-            try:
-                k1, k2 = _advisory_keys(self.transactional_id)
-                conn.exec_driver_sql(f"SELECT pg_advisory_unlock({k1}, {k2})")
-                if conn.in_transaction() and not conn.in_nested_transaction():
-                    conn.commit()
-            except sa.exc.SQLAlchemyError as exc:  # the session ends, and the lock with it
-                log.debug("releasing the lease of %s: %s", self.transactional_id, exc)
-                with contextlib.suppress(sa.exc.SQLAlchemyError):
-                    conn.invalidate()
+            with contextlib.suppress(sa.exc.SQLAlchemyError):
+                conn.invalidate()
 
 
 @dataclass(frozen=True)
