@@ -167,8 +167,8 @@ def probe(bootstrap_servers: str | None, kafka_properties: str | None, timeout_s
               "log, or none when -t is given.")
 @click.option("--parallelism", type=click.IntRange(1, 64), default=8, show_default=True)
 @click.option("--acknowledge-heuristic", is_flag=True,
-              help="Clear heuristic-abort states (and complete a batch sink's heuristic "
-              "batch) after you re-published their records.")
+              help="Clear heuristic-abort and outcome-unreadable states (and complete a batch "
+              "sink's heuristic batch) after you re-published their missing records.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @_guarded
 def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties: str | None,

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError
+from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as CKTopicPartition
 
 from dualwrite.control_plane import (
@@ -36,11 +36,12 @@ from dualwrite.errors import (
     FatalError,
     HeuristicAbortError,
     OutcomeUnknownError,
+    OutcomeUnreadableError,
     ProducerFencedError,
     RetriableError,
 )
 from dualwrite.kafka_errors import FatalKafkaError, FencedKafkaError
-from dualwrite.prepared_state import PreparedTxnState
+from dualwrite.prepared_state import Anchor, PreparedTxnState
 
 __all__ = [
     "Completion",
@@ -140,54 +141,30 @@ def names_open_transaction(cp: ControlPlane, desc: TransactionDescription,
 
 
 def committed_at_anchor(consumer_config: Mapping[str, Any], tp: TopicPartition, offset: int,
-                        timeout_s: float = 30.0) -> bool:
-    """Whether the record at ``offset`` of ``tp`` is visible to a read_committed consumer.
+                        timeout_s: float = 30.0, *, transactional_id: str = "?",
+                        state: str = "?") -> bool:
+    """Whether the transaction whose first record on ``tp`` is at ``offset`` committed.
 
-    An offset belongs to one producer batch, so this tells whether the transaction that wrote it
-    committed. Raises :class:`OutcomeUnknownError` when the answer cannot be read (the record was
-    deleted by retention, or another open transaction keeps the stable offset below it).
+    True: a read_committed consumer returns the record at ``offset``. False only on positive
+    evidence of an abort: a read_uncommitted consumer returns that record and read_committed,
+    having read past it, skips it. :class:`OutcomeUnreadableError` when the record is gone from
+    the log (compacted away, below the log start, topic deleted): either outcome is possible.
+    :class:`OutcomeUnknownError` when it cannot be read within ``timeout_s`` (an open transaction
+    may keep the stable offset below it). ``transactional_id`` and ``state`` name it in errors.
     """
-    conf = {k: v for k, v in consumer_config.items() if not k.startswith("transaction")}
-    for key in ("transactional.id", "enable.idempotence", "acks", "linger.ms", "error_cb",
-                "stats_cb", "on_delivery"):
-        conf.pop(key, None)
-    conf.update({
-        "group.id": f"dualwrite-verify-{uuid.uuid4().hex[:8]}",
-        "enable.auto.commit": False,
-        "isolation.level": "read_committed",
-        "enable.partition.eof": True,
-        "auto.offset.reset": "error",
-    })
-    consumer = Consumer(conf)
-    try:
-        low, _high = consumer.get_watermark_offsets(
-            CKTopicPartition(tp.topic, tp.partition), timeout=timeout_s)
-        if low > offset:
-            raise OutcomeUnknownError(
-                f"{tp} offset {offset} was deleted by retention (log start {low}); the outcome "
-                "of that transaction can no longer be read from Kafka")
-        consumer.assign([CKTopicPartition(tp.topic, tp.partition, offset)])
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            msg = consumer.poll(0.2)
-            if msg is None:
-                continue
-            err = msg.error()
-            if err is not None:
-                if err.code() != KafkaError._PARTITION_EOF:
-                    raise RetriableError(f"reading {tp} at {offset}: {err}")
-                position = consumer.position([CKTopicPartition(tp.topic, tp.partition)])[0].offset
-                if position != OFFSET_INVALID and position > offset:
-                    return False  # stable offset passed the anchor and nothing was returned
-                continue
-            msg_offset = msg.offset()
-            if msg_offset is not None and msg_offset >= offset:
-                return msg_offset == offset
-        raise OutcomeUnknownError(
-            f"could not read {tp} at offset {offset} within {timeout_s:g} s (an open transaction "
-            "may hold the last stable offset below it); retry recovery")
-    finally:
-        consumer.close()
+    deadline = time.monotonic() + timeout_s
+    why = _anchor_unreadable(consumer_config, tp, offset, deadline)
+    if why is None:
+        seen = _first_offset_at(consumer_config, tp, offset, "read_committed", deadline)
+        if seen == offset:
+            return True
+        seen = _first_offset_at(consumer_config, tp, offset, "read_uncommitted", deadline)
+        if seen == offset:
+            return False  # in the log, and read_committed skipped it: aborted
+        why = (f"no record at {tp} offset {offset} for read_committed or read_uncommitted "
+               f"(next offset {seen}): removed by the log cleaner (compaction), retention or "
+               "truncation")
+    raise OutcomeUnreadableError(transactional_id, state, why)
 
 
 OwnerAlive = Callable[[], bool]
@@ -314,6 +291,112 @@ def _named_transaction_committed(cp: ControlPlane, consumer_config: Mapping[str,
         return same and desc.state is TxnState.COMPLETE_COMMIT
     tp = anchor.resolve(desc.partitions if desc is not None else frozenset())
     if tp is None:
-        raise FatalError(f"{tid!r}: the state names a hashed topic {anchor.topic} that the "
-                         "coordinator no longer lists; inspect by hand")
-    return committed_at_anchor(consumer_config, tp, anchor.offset, timeout_s)
+        # Hashed topic and the transaction ended (the coordinator lists no partitions any more):
+        # find the topic among the cluster's by its digest.
+        tp = _resolve_hashed_anchor(consumer_config, anchor, timeout_s)
+    if tp is None:
+        raise OutcomeUnreadableError(
+            tid, str(state), f"no topic of the cluster has the digest {anchor.topic} (deleted?)")
+    return committed_at_anchor(consumer_config, tp, anchor.offset, timeout_s,
+                               transactional_id=tid, state=str(state))
+
+
+def _consumer(consumer_config: Mapping[str, Any], isolation: str) -> Consumer:
+    """A throw-away consumer (no group membership, no commits) built from a client config."""
+    conf = {k: v for k, v in consumer_config.items() if not k.startswith("transaction")}
+    for key in ("transactional.id", "enable.idempotence", "acks", "linger.ms", "error_cb",
+                "stats_cb", "on_delivery"):
+        conf.pop(key, None)
+    conf.update({
+        "group.id": f"dualwrite-verify-{uuid.uuid4().hex[:8]}",
+        "enable.auto.commit": False,
+        "isolation.level": isolation,
+        "enable.partition.eof": True,
+        "auto.offset.reset": "error",
+    })
+    try:
+        return Consumer(conf)
+    except KafkaException as exc:
+        raise FatalError(f"cannot create a Kafka consumer from the configuration: {exc}") from exc
+
+
+def _left(deadline: float) -> float:
+    return max(0.1, deadline - time.monotonic())
+
+
+def _anchor_unreadable(consumer_config: Mapping[str, Any], tp: TopicPartition, offset: int,
+                       deadline: float) -> str | None:
+    """Why the record at ``offset`` of ``tp`` cannot be in the log any more, or None."""
+    consumer = _consumer(consumer_config, "read_uncommitted")
+    try:
+        md = consumer.list_topics(tp.topic, timeout=_left(deadline)).topics.get(tp.topic)
+        if md is None or (md.error is not None
+                          and md.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
+            return f"the topic {tp.topic} no longer exists"
+        if md.error is not None:
+            raise RetriableError(f"metadata of {tp.topic}: {md.error}")
+        if tp.partition not in md.partitions:
+            return f"the topic {tp.topic} has no partition {tp.partition} any more"
+        low, high = consumer.get_watermark_offsets(
+            CKTopicPartition(tp.topic, tp.partition), timeout=_left(deadline))
+    except KafkaException as exc:
+        raise RetriableError(f"reading the offsets of {tp}: {exc}") from exc
+    finally:
+        consumer.close()
+    if low > offset:
+        return (f"{tp} offset {offset} is below the log start {low} (retention or "
+                "DeleteRecords removed it)")
+    if high <= offset:
+        return f"{tp} ends at offset {high}, below {offset} (the log was truncated or recreated)"
+    return None
+
+
+def _first_offset_at(consumer_config: Mapping[str, Any], tp: TopicPartition, offset: int,
+                     isolation: str, deadline: float) -> int:
+    """The offset of the first record at or after ``offset`` that ``isolation`` returns, or the
+    position it reached past ``offset`` without returning one (end of partition)."""
+    consumer = _consumer(consumer_config, isolation)
+    try:
+        consumer.assign([CKTopicPartition(tp.topic, tp.partition, offset)])
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.2)
+            if msg is None:
+                continue
+            err = msg.error()
+            if err is not None:
+                if err.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
+                    # Retention moved the log start past the anchor while it was being read?
+                    low, _high = consumer.get_watermark_offsets(
+                        CKTopicPartition(tp.topic, tp.partition), timeout=_left(deadline))
+                    if low > offset:
+                        return int(low)
+                if err.code() != KafkaError._PARTITION_EOF:
+                    raise RetriableError(f"reading {tp} at {offset}: {err}")
+                position = consumer.position([CKTopicPartition(tp.topic, tp.partition)])[0].offset
+                if position != OFFSET_INVALID and position > offset:
+                    return int(position)  # read past the anchor and nothing was returned
+                continue
+            msg_offset = msg.offset()
+            if msg_offset is not None and msg_offset >= offset:
+                return int(msg_offset)
+    except KafkaException as exc:
+        raise RetriableError(f"reading {tp} at {offset} ({isolation}): {exc}") from exc
+    finally:
+        consumer.close()
+    raise OutcomeUnknownError(
+        f"could not read {tp} at offset {offset} ({isolation}) in time (an open transaction "
+        "may hold the last stable offset below it); retry recovery")
+
+
+def _resolve_hashed_anchor(consumer_config: Mapping[str, Any], anchor: Anchor,
+                           timeout_s: float) -> TopicPartition | None:
+    """The partition a hashed anchor names, found among the cluster's topics by digest."""
+    consumer = _consumer(consumer_config, "read_uncommitted")
+    try:
+        topics = consumer.list_topics(timeout=timeout_s).topics
+    except KafkaException as exc:
+        raise RetriableError(f"listing the cluster's topics: {exc}") from exc
+    finally:
+        consumer.close()
+    candidates = {TopicPartition(t, anchor.partition) for t in topics}
+    return anchor.resolve(candidates)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -141,7 +142,8 @@ class BatchHeuristicAbortError(HeuristicOutcomeError):
     stays in doubt until ``dualwrite recover --acknowledge-heuristic``.
     """
 
-    def __init__(self, sink_id: str, batch_id: int, causes: list[HeuristicAbortError]) -> None:
+    def __init__(self, sink_id: str, batch_id: int,
+                 causes: Sequence[HeuristicAbortError | OutcomeUnreadableError]) -> None:
         ids = ", ".join(c.transactional_id for c in causes)
         super().__init__(
             f"sink {sink_id!r} batch {batch_id}: the database decided commit but Kafka aborted "
@@ -151,7 +153,7 @@ class BatchHeuristicAbortError(HeuristicOutcomeError):
         )
         self.sink_id = sink_id
         self.batch_id = batch_id
-        self.causes = causes
+        self.causes = list(causes)
 
 
 class HeuristicCommitError(HeuristicOutcomeError):

@@ -25,6 +25,10 @@ _PREFIX = "dw1"
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _HASHED_TOPIC = re.compile(r"#[0-9a-f]{16}")
 _INT = re.compile(r"-?[0-9]{1,19}")
+# Wire-protocol bounds: producer id and offset are int64, partition int32, epoch int16.
+_MAX_INT64 = 2**63 - 1
+_MAX_INT32 = 2**31 - 1
+_MAX_EPOCH = 32767
 
 
 def topic_digest(topic: str) -> str:
@@ -121,8 +125,10 @@ class PreparedTxnState:
                 raise InvalidPreparedStateError(text, f"{topic!r} is not a valid topic name")
             pid, epoch, partition, offset = (
                 _int(text, p, "number") for p in (pid_s, epoch_s, part_s, off_s))
-            if partition < 0 or offset < 0:
-                raise InvalidPreparedStateError(text, "partition and offset must be >= 0")
+            if not 0 <= partition <= _MAX_INT32:
+                raise InvalidPreparedStateError(text, f"partition must be 0..{_MAX_INT32}")
+            if not 0 <= offset <= _MAX_INT64:
+                raise InvalidPreparedStateError(text, f"offset must be 0..{_MAX_INT64}")
             return cls._checked(text, pid, epoch, Anchor(topic, partition, offset))
         raise InvalidPreparedStateError(
             text, "expected '', '<producerId>:<epoch>' or "
@@ -131,8 +137,9 @@ class PreparedTxnState:
     @classmethod
     def _checked(cls, text: str, pid: int, epoch: int, anchor: Anchor | None
                  ) -> PreparedTxnState:
-        if pid < 0 or not 0 <= epoch <= 32767:
-            raise InvalidPreparedStateError(text, "producer id must be >= 0, epoch 0..32767")
+        if not 0 <= pid <= _MAX_INT64 or not 0 <= epoch <= _MAX_EPOCH:
+            raise InvalidPreparedStateError(
+                text, f"producer id must be 0..{_MAX_INT64}, epoch 0..{_MAX_EPOCH}")
         return cls(pid, epoch, anchor)
 
 

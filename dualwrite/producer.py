@@ -23,6 +23,7 @@ from dualwrite.errors import (
     FatalError,
     HeuristicAbortError,
     OutcomeUnknownError,
+    OutcomeUnreadableError,
     ProducerFencedError,
     RecoverableError,
     RetriableError,
@@ -250,7 +251,7 @@ class TwoPhaseProducer:
         try:
             outcome = complete(self._cp, self._config, self._tid, state,
                                timeout_s=self._timeout_s, owner_alive=owner_alive)
-        except HeuristicAbortError:
+        except (HeuristicAbortError, OutcomeUnreadableError):
             # Nothing is open any more: the session can start, the caller decides what to do.
             if self._phase is _Phase.AWAITING_COMPLETION:
                 self._start_librdkafka()
@@ -482,7 +483,7 @@ class TwoPhaseProducer:
         try:
             complete(self._cp, self._config, self._tid, state, timeout_s=self._timeout_s,
                      only_identity=self._identity)
-        except HeuristicAbortError:
+        except (HeuristicAbortError, OutcomeUnreadableError):
             # Nothing is open any more; a new session lets the caller go on once it has dealt
             # with the loss (complete_transaction(state) reports it again until then) — unless
             # the id has a newer epoch, which may be a newer producer's: then the caller starts

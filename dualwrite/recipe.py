@@ -338,7 +338,8 @@ class DualWriter:
         tp = anchor.resolve({TopicPartition(t, anchor.partition) for t in topics})
         if tp is None:
             raise FatalError(f"transactional_id={self._tid}: cannot resolve the anchor {left}")
-        if committed_at_anchor(self._config, tp, anchor.offset, self._timeout_s):
+        if committed_at_anchor(self._config, tp, anchor.offset, self._timeout_s,
+                               transactional_id=self._tid, state=str(left)):
             raise HeuristicCommitError(
                 self._tid, str(left), "another process committed it by producer id and epoch "
                 "while this writer's lease was lost with its database session")

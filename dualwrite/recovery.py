@@ -36,6 +36,7 @@ from dualwrite.errors import (
     DatabaseUnreachableError,
     DualWriteError,
     HeuristicAbortError,
+    OutcomeUnreadableError,
 )
 from dualwrite.lease import Leases
 from dualwrite.prepared_state import PreparedTxnState
@@ -66,6 +67,9 @@ class Outcome(enum.Enum):
     ABORTED = "aborted"
     NOTHING = "nothing-to-do"
     HEURISTIC_ABORT = "heuristic-abort"
+    OUTCOME_UNREADABLE = "outcome-unreadable"
+    """The log no longer shows whether the named transaction committed (its anchor record was
+    compacted or deleted): like a heuristic abort, it waits for --acknowledge-heuristic."""
     ACKNOWLEDGED = "heuristic-acknowledged"
     LEFT_TO_WRITER = "left-to-live-writer"
     """A live writer holds the id's lease: it finishes its own transactions (and recovery,
@@ -74,7 +78,7 @@ class Outcome(enum.Enum):
 
     @property
     def resolved(self) -> bool:
-        return self not in (Outcome.HEURISTIC_ABORT, Outcome.FAILED)
+        return self not in (Outcome.HEURISTIC_ABORT, Outcome.OUTCOME_UNREADABLE, Outcome.FAILED)
 
 
 _FROM_COMPLETION = {
@@ -130,7 +134,8 @@ class RecoveryReport:
 
     @property
     def heuristic(self) -> list[RecoveryResult]:
-        return [r for r in self.results if r.outcome is Outcome.HEURISTIC_ABORT]
+        return [r for r in self.results
+                if r.outcome in (Outcome.HEURISTIC_ABORT, Outcome.OUTCOME_UNREADABLE)]
 
     @property
     def failed(self) -> list[RecoveryResult]:
@@ -256,10 +261,12 @@ def _resolve_one(store: StateStore, conn: Connection, cp: ControlPlane,
                             prefetched=prefetched)
             if done is Completion.ALREADY_COMMITTED and tid in aborted_first:
                 done = Completion.ABORTED
-    except HeuristicAbortError as exc:
+    except (HeuristicAbortError, OutcomeUnreadableError) as exc:
+        kind = (Outcome.HEURISTIC_ABORT if isinstance(exc, HeuristicAbortError)
+                else Outcome.OUTCOME_UNREADABLE)
         if not acknowledge_heuristic:
-            return RecoveryResult(tid, stored, Outcome.HEURISTIC_ABORT, exc.detail)
-        log.warning("acknowledged heuristic abort of transactional_id=%s state=%s", tid, stored)
+            return RecoveryResult(tid, stored, kind, exc.detail)
+        log.warning("acknowledged %s of transactional_id=%s state=%s", kind.value, tid, stored)
         store.write(conn, tid, "")
         return RecoveryResult(tid, stored, Outcome.ACKNOWLEDGED, exc.detail)
     except (BrokerUnreachableError, DatabaseUnreachableError):

@@ -198,7 +198,8 @@ def test_anchor_deleted_by_retention_is_reported_not_guessed(store: StateStore, 
                                                              bootstrap: str, topic: str) -> None:
     """The named transaction ended and its anchor record is gone (retention, DeleteRecords):
     Kafka can no longer say whether it committed, so recovery must neither commit, abort nor
-    call it heuristic; it reports the id as unresolved and keeps the state."""
+    call it a heuristic abort; it reports the outcome as unreadable (resolved only by an
+    operator's acknowledgement, see test_anchor_checks) and keeps the state."""
     from confluent_kafka import TopicPartition as CKTopicPartition
     from confluent_kafka.admin import AdminClient
 
@@ -214,7 +215,7 @@ def test_anchor_deleted_by_retention_is_reported_not_guessed(store: StateStore, 
         future.result(30)
     report = dualwrite.recover(engine, kconf, [tid], timeout_s=10)
     (result,) = report.results
-    assert result.outcome is Outcome.FAILED
+    assert result.outcome is Outcome.OUTCOME_UNREADABLE
     assert "retention" in result.detail
     assert not report.ok
     row = store.read(tid)

@@ -17,11 +17,11 @@ from typing import Any
 
 import pyarrow as pa
 from pyspark import TaskContext
-from sqlalchemy import Engine
+from sqlalchemy import Engine, make_url
 
 from dualwrite.batch_coordinator import transactional_id
 from dualwrite.control_plane import ControlPlane
-from dualwrite.database import create_engine
+from dualwrite.database import create_engine, mask_url
 from dualwrite.decision_log import StagingTable
 from dualwrite.producer import TwoPhaseProducer
 from dualwrite.spark import _faults
@@ -40,9 +40,36 @@ _engines: dict[str, Engine] = {}
 _starter = ThreadPoolExecutor(1, thread_name_prefix="dualwrite-task-init")
 
 
+_SECRET_KEY_PARTS = ("password", "secret", "token", "jaas", "sasl.oauthbearer", "ssl.key",
+                     "credential")
+
+
+def _masked_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with the value of every secret-looking key replaced by ``***``."""
+    return {k: "***" if any(p in k.lower() for p in _SECRET_KEY_PARTS) else v
+            for k, v in config.items()}
+
+
+def _masked_url(url: str | None) -> str | None:
+    """A database URL with its password (and secret query parameters such as ``?password=``)
+    replaced by ``***``; the whole URL if it cannot be parsed."""
+    if url is None:
+        return None
+    try:
+        parsed = make_url(url)
+        hidden = {k: "***" for k in parsed.query
+                  if any(p in k.lower() for p in _SECRET_KEY_PARTS)}
+        return mask_url(parsed.update_query_dict(hidden) if hidden else parsed)
+    except Exception:  # a repr must not fail, nor echo what it cannot parse
+        return "***"
+
+
 @dataclass(frozen=True)
 class TaskPlan:
-    """Everything a task needs, pickled to the executors with the function."""
+    """Everything a task needs, pickled to the executors with the function.
+
+    Its repr (and str) masks the Kafka secrets and the database password.
+    """
 
     sink_id: str
     batch_id: int
@@ -52,6 +79,15 @@ class TaskPlan:
     target_table: str | None = None
     table_columns: tuple[str, ...] = ()
     timeout_s: float = 30.0
+
+    def __repr__(self) -> str:
+        return (f"TaskPlan(sink_id={self.sink_id!r}, batch_id={self.batch_id!r}, "
+                f"topic={self.topic!r}, producer_config={_masked_config(self.producer_config)!r}, "
+                f"database_url={_masked_url(self.database_url)!r}, "
+                f"target_table={self.target_table!r}, table_columns={self.table_columns!r}, "
+                f"timeout_s={self.timeout_s!r})")
+
+    __str__ = __repr__
 
 
 def _control_plane(config: Mapping[str, Any], timeout_s: float) -> ControlPlane:
