@@ -82,9 +82,18 @@ def normalize_url(url: str | URL) -> URL:
     return parsed
 
 
+_SECRET_QUERY_KEYS = ("password", "passfile", "sslpassword", "token", "secret")
+
+
 def mask_url(url: str | URL) -> str:
-    """The URL as text with its password replaced by ``***``: safe for messages and logs."""
-    return make_url(url).render_as_string(hide_password=True)
+    """The URL as text with its password, and secret query parameters (``?password=...``,
+    ``sslpassword``), replaced by ``***``: safe for messages and logs."""
+    parsed = make_url(url)
+    secret = {k: "***" for k in parsed.query
+              if any(word in k.lower() for word in _SECRET_QUERY_KEYS)}
+    if secret:
+        parsed = parsed.update_query_dict(secret)
+    return parsed.render_as_string(hide_password=True)
 
 
 def upgrade_command(url: str | URL) -> str:

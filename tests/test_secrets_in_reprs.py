@@ -49,3 +49,11 @@ def test_task_plan_pickles_with_its_secrets() -> None:
     assert again == plan
     assert again.producer_config["sasl.password"] == "s3cret-XYZ"
     assert again.database_url == "postgresql://u:pw-XYZ@host/db"
+
+
+def test_mask_url_hides_passwords_in_the_query_string_too() -> None:
+    from dualwrite.database import mask_url
+
+    masked = mask_url("postgresql://app:pw-XYZ@127.0.0.1/shop?password=q-XYZ&sslpassword=s-XYZ"
+                      "&sslmode=require")
+    assert "XYZ" not in masked and "sslmode=require" in masked
