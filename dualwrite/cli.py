@@ -88,8 +88,9 @@ def _check_sink_ids(_ctx: click.Context, _param: click.Parameter,
 
 def kafka_options(fn: F) -> F:
     fn = click.option("--kafka-properties", "kafka_properties", type=click.Path(dir_okay=False),
+                      envvar="DUALWRITE_KAFKA_PROPERTIES",
                       help="Kafka client settings (security.protocol, sasl.*, ssl.*) as a "
-                      "key=value file, librdkafka names.")(fn)
+                      "key=value file, librdkafka names [env DUALWRITE_KAFKA_PROPERTIES].")(fn)
     fn = click.option("--bootstrap-servers", "-b", envvar="DUALWRITE_BOOTSTRAP_SERVERS",
                       help="Kafka bootstrap servers [env DUALWRITE_BOOTSTRAP_SERVERS].")(fn)
     return fn

@@ -3,14 +3,81 @@
 from __future__ import annotations
 
 import logging
+import re
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from dualwrite.errors import FatalError
 
-__all__ = ["kafka_python_config", "load_properties", "redacted"]
+__all__ = [
+    "Secret",
+    "authentication_failure",
+    "install_log_redaction",
+    "kafka_python_config",
+    "load_properties",
+    "redacted",
+]
 
 log = logging.getLogger(__name__)
+
+
+class Secret(str):
+    """A password that is itself (for the SASL exchange) but never shows in ``repr``/``str``.
+
+    kafka-python logs its whole configuration at DEBUG; its values are printed with ``repr``.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "'***'"
+
+    def __str__(self) -> str:
+        return "***"
+
+    def __format__(self, spec: str) -> str:
+        return "***"
+
+
+# kafka-python's DEBUG protocol log prints SaslAuthenticate requests, whose bytes carry the
+# password in clear for SASL/PLAIN; its configuration dumps name the password too.
+_SECRET_IN_LOG = re.compile(
+    r"(auth_bytes=)(b'(?:[^'\\]|\\.)*'|b\"(?:[^\"\\]|\\.)*\")"
+    r"|((?:sasl_plain_password|ssl_password|sasl\.password|ssl\.key\.password|password)"
+    r"['\"]?\s*[:=]\s*)('[^']*'|\"[^\"]*\"|[^\s,}]+)"
+)
+_KAFKA_PYTHON_LOGGERS = ("kafka", "kafka.admin.client", "kafka.client_async", "kafka.net",
+                         "kafka.net.connection", "kafka.net.manager", "kafka.protocol.parser",
+                         "kafka.conn", "kafka.net.sasl", "kafka.net.sasl.plain",
+                         "kafka.net.sasl.scram")
+
+
+class _RedactSecrets(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            text = record.getMessage()
+        except Exception:  # a broken format string: leave it to logging's own error path
+            return True
+        masked = _SECRET_IN_LOG.sub(
+            lambda m: (m.group(1) + "***") if m.group(1) else (m.group(3) + "***"), text)
+        if masked != text:
+            record.msg, record.args = masked, None
+        return True
+
+
+_REDACTION = _RedactSecrets()
+
+
+def install_log_redaction() -> None:
+    """Mask passwords in kafka-python's log records (idempotent; done on import)."""
+    for name in _KAFKA_PYTHON_LOGGERS:
+        logger = logging.getLogger(name)
+        if _REDACTION not in logger.filters:
+            logger.addFilter(_REDACTION)
+
+
+install_log_redaction()
 
 _DIRECT = {
     "bootstrap.servers": "bootstrap_servers",
@@ -73,7 +140,8 @@ def kafka_python_config(config: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in config.items():
         if key in _DIRECT:
-            out[_DIRECT[key]] = value
+            secret = "password" in key and isinstance(value, str)
+            out[_DIRECT[key]] = Secret(value) if secret else value
         elif key == "security.protocol":
             out["security_protocol"] = str(value).upper()
         elif key in ("sasl.mechanism", "sasl.mechanisms"):
@@ -91,6 +159,41 @@ def kafka_python_config(config: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(servers, str):
         out["bootstrap_servers"] = [s.strip() for s in servers.split(",") if s.strip()]
     return out
+
+
+def authentication_failure(config: Mapping[str, Any], timeout_s: float) -> str | None:
+    """Why a SASL client could not connect, when that is failed authentication; else None.
+
+    kafka-python retries a failed SASL handshake until its bootstrap times out, so after a
+    timeout the control plane asks librdkafka, which reports authentication failures as such.
+    The text names the user and mechanism, never the password.
+    """
+    protocol = str(config.get("security.protocol", "")).upper()
+    if not protocol.startswith("SASL"):
+        return None
+    from confluent_kafka import KafkaError
+    from confluent_kafka.admin import AdminClient
+
+    errors: list[KafkaError] = []
+    conf: dict[str, Any] = {k: v for k, v in config.items()
+                            if k == "bootstrap.servers" or k.startswith(("sasl.", "ssl.",
+                                                                         "security."))}
+    conf["error_cb"] = errors.append
+    conf["logger"] = logging.getLogger("dualwrite.librdkafka")
+    admin = AdminClient(conf)
+    future = admin.describe_cluster(request_timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    failed: KafkaError | None = None
+    while failed is None and not future.done() and time.monotonic() < deadline:
+        admin.poll(0.1)  # serves error_cb
+        failed = next((e for e in errors if e.code() == KafkaError._AUTHENTICATION), None)
+    if failed is None:
+        return None
+    user = config.get("sasl.username", "")
+    mechanism = config.get("sasl.mechanism", config.get("sasl.mechanisms", "GSSAPI"))
+    return (f"SASL authentication of user {user!r} ({mechanism}) failed at "
+            f"{config.get('bootstrap.servers')}: {failed.str()}. Check sasl.username and "
+            "sasl.password (and sasl.mechanism)")
 
 
 def load_properties(path: str) -> dict[str, str]:

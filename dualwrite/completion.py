@@ -40,7 +40,7 @@ from dualwrite.errors import (
     ProducerFencedError,
     RetriableError,
 )
-from dualwrite.kafka_errors import FatalKafkaError, FencedKafkaError
+from dualwrite.kafka_errors import FatalKafkaError, FencedKafkaError, raise_for_code
 from dualwrite.prepared_state import Anchor, PreparedTxnState
 
 __all__ = [
@@ -301,6 +301,10 @@ def _named_transaction_committed(cp: ControlPlane, consumer_config: Mapping[str,
                                transactional_id=tid, state=str(state))
 
 
+_VERIFY_GROUP_PREFIX = "dualwrite-verify-"
+"""Group ids of the anchor check's consumers; they need DESCRIBE on Group by this prefix."""
+
+
 def _consumer(consumer_config: Mapping[str, Any], isolation: str) -> Consumer:
     """A throw-away consumer (no group membership, no commits) built from a client config."""
     conf = {k: v for k, v in consumer_config.items() if not k.startswith("transaction")}
@@ -308,7 +312,7 @@ def _consumer(consumer_config: Mapping[str, Any], isolation: str) -> Consumer:
                 "stats_cb", "on_delivery"):
         conf.pop(key, None)
     conf.update({
-        "group.id": f"dualwrite-verify-{uuid.uuid4().hex[:8]}",
+        "group.id": f"{_VERIFY_GROUP_PREFIX}{uuid.uuid4().hex[:8]}",
         "enable.auto.commit": False,
         "isolation.level": isolation,
         "enable.partition.eof": True,
@@ -370,6 +374,12 @@ def _first_offset_at(consumer_config: Mapping[str, Any], tp: TopicPartition, off
                         CKTopicPartition(tp.topic, tp.partition), timeout=_left(deadline))
                     if low > offset:
                         return int(low)
+                if err.code() == KafkaError.GROUP_AUTHORIZATION_FAILED:
+                    raise_for_code(err.code(), f"reading {tp} at {offset} ({isolation}): "
+                                   f"{err.str()}", resource=f"prefix '{_VERIFY_GROUP_PREFIX}'")
+                if err.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+                    raise_for_code(err.code(), f"Fetch {tp} at {offset}: {err.str()}",
+                                   resource=tp.topic)
                 if err.code() != KafkaError._PARTITION_EOF:
                     raise RetriableError(f"reading {tp} at {offset}: {err}")
                 position = consumer.position([CKTopicPartition(tp.topic, tp.partition)])[0].offset

@@ -2,8 +2,10 @@
 
 librdkafka (confluent-kafka) is dualwrite's data path. It cannot describe or list transactions,
 describe producers, end a transaction by (producer id, epoch) from another process, or send
-InitProducerId v6. This module does exactly those, on kafka-python 3's connection manager and
-generated protocol classes, so that no wire format is written by hand here.
+InitProducerId v6. This module does exactly those with kafka-python 3: its public admin API where
+that gives what dualwrite needs, else its generated protocol classes sent through
+:mod:`dualwrite._kafka_python_seam`, the one module that depends on kafka-python's networking
+layer. No wire format is written by hand here.
 """
 
 from __future__ import annotations
@@ -14,21 +16,26 @@ import re
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import kafka.errors as kafka_errors
-from kafka import KafkaAdminClient
-from kafka.protocol.admin.transactions import (
-    DescribeProducersRequest,
-    DescribeTransactionsRequest,
-    ListTransactionsRequest,
+from kafka.protocol.admin.transactions import DescribeProducersRequest, DescribeTransactionsRequest
+from kafka.protocol.metadata import (
+    ApiVersionsRequest,
+    CoordinatorType,
+    FindCoordinatorRequest,
+    MetadataRequest,
 )
-from kafka.protocol.metadata import ApiVersionsRequest, CoordinatorType
-from kafka.protocol.producer.transaction import EndTxnRequest, InitProducerIdRequest
 
-from dualwrite.client_config import kafka_python_config
-from dualwrite.errors import BrokerUnreachableError, OutcomeUnknownError, RetriableError
+from dualwrite._kafka_python_seam import KafkaLink, end_txn_request, init_producer_id_request
+from dualwrite.client_config import authentication_failure, kafka_python_config
+from dualwrite.errors import (
+    BrokerUnreachableError,
+    FatalError,
+    OutcomeUnknownError,
+    RetriableError,
+)
 from dualwrite.kafka_errors import RetriableKafkaError, raise_for_code
 
 __all__ = [
@@ -48,12 +55,14 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# API keys used by the probe.
+# API keys used by the probe and for version checks.
+_FIND_COORDINATOR = 10
 _INIT_PRODUCER_ID = 22
 _END_TXN = 26
 _DESCRIBE_PRODUCERS = 61
 _DESCRIBE_TRANSACTIONS = 65
 _LIST_TRANSACTIONS = 66
+_UNKNOWN_TOPIC_OR_PARTITION = 3
 _TRANSACTIONAL_ID_NOT_FOUND = 105
 _NOT_COORDINATOR = 16
 _COORDINATOR_NOT_AVAILABLE = 15
@@ -207,6 +216,11 @@ class ControlPlane:
     ``config`` is the application's confluent-kafka configuration; only its connection and security
     settings are used. Every call is bounded by ``timeout_s`` and retries only errors Kafka marks
     retriable.
+
+    kafka-python's public admin API serves ListTransactions, DescribeConfigs and the brokers'
+    versions; the rest is sent through :class:`dualwrite._kafka_python_seam.KafkaLink` (see there
+    for why it has no public equivalent). Requests run as coroutines on kafka-python's IO thread,
+    so the caches below are only touched from that one thread.
     """
 
     def __init__(self, config: Mapping[str, Any], *, timeout_s: float = 30.0) -> None:
@@ -221,18 +235,24 @@ class ControlPlane:
         kp.setdefault("max_in_flight_requests_per_connection", 32)
         self._servers = ",".join(kp["bootstrap_servers"])
         try:
-            self._admin = KafkaAdminClient(**kp)
+            self._link = KafkaLink(**kp)
         except kafka_errors.KafkaError as exc:
+            # kafka-python retries a failed SASL handshake until the timeout: say it was that.
+            failure = authentication_failure(config, min(5.0, timeout_s))
+            if failure is not None:
+                raise FatalError(failure) from None
             raise BrokerUnreachableError(
                 f"no Kafka broker answered at {self._servers} within {timeout_s:g} s ({exc!r}); "
                 "check bootstrap.servers and that the cluster is up (`dualwrite dev status`)"
             ) from exc
-        self._manager = self._admin._manager
+        self._admin = self._link.admin
+        # Transaction coordinator of each transactional id, dropped after NOT_COORDINATOR.
+        self._coordinators: dict[str, int] = {}
         # Partition leaders for DescribeProducers, refreshed when a leader answers with an error.
         self._leaders: dict[TopicPartition, int] = {}
 
     def close(self) -> None:
-        self._admin.close()
+        self._link.close()
 
     def __enter__(self) -> ControlPlane:
         return self
@@ -243,9 +263,14 @@ class ControlPlane:
     # -- plumbing --------------------------------------------------------------------------
 
     def _run(self, coro: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run a coroutine on kafka-python's IO thread, translating its errors."""
+        result: T = self._call(self._link.run, coro, *args)
+        return result
+
+    def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Call a blocking kafka-python method, translating its errors into dualwrite's."""
         try:
-            result: T = self._manager.run(coro, *args)
-            return result
+            return fn(*args, **kwargs)
         except kafka_errors.KafkaError as exc:
             if isinstance(exc, (kafka_errors.KafkaConnectionError, kafka_errors.NodeNotReadyError,
                                 kafka_errors.KafkaTimeoutError,
@@ -259,12 +284,33 @@ class ControlPlane:
             raise RetriableError(f"Kafka request failed: {exc!r}") from exc
 
     async def _coordinator(self, transactional_id: str) -> int:
-        node: int = await self._admin._find_coordinator_id(
-            transactional_id, key_type=CoordinatorType.TRANSACTION)
-        return node
+        return (await self._find_coordinators([transactional_id]))[transactional_id]
 
-    async def _send(self, request: Any, node_id: int | None = None) -> Any:
-        return await self._manager.send(request, node_id=node_id)
+    async def _find_coordinators(self, ids: list[str]) -> dict[str, int]:
+        """Transaction coordinators of ``ids``: cached, else one batched FindCoordinator."""
+        out = {tid: self._coordinators[tid] for tid in ids if tid in self._coordinators}
+        unknown = [tid for tid in ids if tid not in out]
+        if not unknown:
+            return out
+        if (self._link.max_version(_FIND_COORDINATOR) or 0) >= 4:  # KIP-699: Kafka 3.0+
+            response = await self._link.send(FindCoordinatorRequest(
+                key_type=CoordinatorType.TRANSACTION.value, coordinator_keys=unknown,
+                min_version=4))
+            answers = [(c.key, c) for c in response.coordinators]
+        else:
+            answers = []
+            for tid in unknown:
+                answers.append((tid, await self._link.send(FindCoordinatorRequest(
+                    key=tid, key_type=CoordinatorType.TRANSACTION.value, max_version=3))))
+        for tid, answer in answers:
+            # Raises the answer's error (kafka-python's exception types; see _with_retries).
+            node = self._link.add_coordinator(answer, CoordinatorType.TRANSACTION, tid)
+            self._coordinators[tid] = out[tid] = node
+        return out
+
+    def _forget_coordinator(self, transactional_id: str) -> None:
+        """Drop a cached coordinator after NOT_COORDINATOR so the retry looks it up again."""
+        self._coordinators.pop(transactional_id, None)
 
     async def _with_retries(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
         """Run ``attempt`` until it succeeds, raises a non-retriable error, or time is up."""
@@ -288,7 +334,7 @@ class ControlPlane:
                 if not isinstance(exc, RetriableKafkaError):
                     self._leaders.clear()  # a broker went away: leaders may have moved
                 log.debug("%s: retrying after %s", what, exc)
-                await self._admin._net.sleep(delay)
+                await self._link.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
     # -- DescribeTransactions ------------------------------------------------------------------
@@ -301,19 +347,20 @@ class ControlPlane:
         self, transactional_ids: Iterable[str]
     ) -> dict[str, TransactionDescription]:
         """Describe many transactional ids, one request per coordinator; unknown ids are absent."""
+        # Not KafkaAdminClient.describe_transactions: it fails the whole batch when one id is
+        # unknown (here: absent) and never forgets a coordinator after NOT_COORDINATOR.
         ids = list(dict.fromkeys(transactional_ids))
         return self._run(self._describe_transactions, ids) if ids else {}
 
     async def _describe_transactions(self, ids: list[str]) -> dict[str, TransactionDescription]:
         async def attempt() -> dict[str, TransactionDescription]:
-            coordinators = await self._admin._find_coordinator_ids(
-                ids, key_type=CoordinatorType.TRANSACTION)
+            coordinators = await self._find_coordinators(ids)
             by_node: dict[int, list[str]] = defaultdict(list)
             for tid, node in coordinators.items():
                 by_node[node].append(tid)
             out: dict[str, TransactionDescription] = {}
             for node, tids in by_node.items():
-                response = await self._send(
+                response = await self._link.send(
                     DescribeTransactionsRequest(transactional_ids=tids), node)
                 for txn in response.transaction_states:
                     if txn.error_code == _TRANSACTIONAL_ID_NOT_FOUND:
@@ -338,11 +385,6 @@ class ControlPlane:
 
         return await self._with_retries("DescribeTransactions", attempt)
 
-    def _forget_coordinator(self, transactional_id: str) -> None:
-        """Drop a cached coordinator after NOT_COORDINATOR so the retry looks it up again."""
-        self._manager.cluster._coordinators.pop(
-            (CoordinatorType.TRANSACTION, transactional_id), None)
-
     # -- ListTransactions ----------------------------------------------------------------------
 
     def list_transactions(
@@ -357,28 +399,43 @@ class ControlPlane:
         ``prefix`` is sent as a regex pattern where the broker supports it (ListTransactions v2,
         Kafka 4.1+) and always applied client-side as well.
         """
-        return self._run(self._list_transactions, [s.value for s in states], prefix,
-                         list(producer_ids))
-
-    async def _list_transactions(self, states: list[str], prefix: str | None,
-                                 producer_ids: list[int]) -> list[TransactionListing]:
-        await self._manager.bootstrap_async(int(self._timeout_s * 1000))
-        brokers = [b.node_id for b in self._manager.cluster.brokers()]
+        # Fresh broker list first: every broker holds a slice of __transaction_state.
+        self._run(self._link.bootstrap, int(self._timeout_s * 1000))
+        pattern = None
+        if prefix is not None and (self._link.max_version(_LIST_TRANSACTIONS) or 0) >= 2:
+            pattern = "^" + re.escape(prefix) + ".*"
+        by_broker: dict[int, list[Any]] = self._call(
+            self._admin.list_transactions, state_filters=[s.value for s in states],
+            producer_id_filters=list(producer_ids), transactional_id_pattern=pattern)
         out: list[TransactionListing] = []
-        for node in brokers:
-            kwargs: dict[str, Any] = {"state_filters": states, "producer_id_filters": producer_ids}
-            versions = self._manager.broker_version_data.api_versions or {}
-            if prefix is not None and versions.get(_LIST_TRANSACTIONS, (0, 0))[1] >= 2:
-                kwargs["transactional_id_pattern"] = "^" + re.escape(prefix) + ".*"
-                kwargs["min_version"] = 2
-            response = await self._send(ListTransactionsRequest(**kwargs), node)
-            raise_for_code(response.error_code, f"ListTransactions on broker {node}")
-            for txn in response.transaction_states:
+        for node, listings in by_broker.items():
+            for txn in listings:
                 if prefix is not None and not txn.transactional_id.startswith(prefix):
                     continue
                 out.append(TransactionListing(txn.transactional_id, txn.producer_id,
-                                              TxnState.parse(txn.transaction_state), node))
+                                              TxnState.parse(str(txn.state.value)), node))
         return out
+
+    # -- ACLs ----------------------------------------------------------------------------------
+
+    def missing_topic_acls(self, topics: Iterable[str],
+                           operation: str = "WRITE") -> list[str]:
+        """The ACLs this principal lacks to ``operation`` each topic, as ``"WRITE on Topic 't'"``
+        (Metadata's topic authorized operations, KIP-430); empty when it has them all or the
+        broker does not say. librdkafka purges a transaction's records when AddPartitionsToTxn
+        fails with TOPIC_AUTHORIZATION_FAILED and reports only the purge: this names the cause.
+        """
+        names = sorted(set(topics))
+        if not names:
+            return []
+        described = self._call(self._admin.describe_topics, names)
+        missing = []
+        for topic in described:
+            ops = topic.get("authorized_operations")
+            denied = topic.get("error_code") == 29  # not even DESCRIBE
+            if denied or (ops is not None and operation not in ops):
+                missing.append(f"{operation} on Topic {topic['name']!r}")
+        return missing
 
     # -- DescribeProducers ---------------------------------------------------------------------
 
@@ -386,22 +443,35 @@ class ControlPlane:
         self, partitions: Iterable[TopicPartition]
     ) -> dict[TopicPartition, list[ActiveProducer]]:
         """Active producers of each partition, asked of its leader."""
+        # Not KafkaAdminClient.describe_producers: it asks for metadata on every call, where
+        # recovery calls this per chunk and per id; leaders are cached here instead.
         parts = sorted(set(partitions))
         return self._run(self._describe_producers, parts) if parts else {}
+
+    async def _find_leaders(self, parts: list[TopicPartition]) -> None:
+        """Look up the leaders of ``parts`` (one Metadata request) into the leader cache."""
+        topics = sorted({p.topic for p in parts})
+        response = await self._link.send(MetadataRequest(
+            topics=[MetadataRequest.MetadataRequestTopic(name=t) for t in topics],
+            allow_auto_topic_creation=False))
+        wanted = set(parts)
+        for topic in response.topics:
+            for part in topic.partitions:
+                tp = TopicPartition(topic.name, part.partition_index)
+                if tp in wanted:
+                    self._leaders[tp] = part.leader_id
+                    wanted.discard(tp)
+        if wanted:
+            raise_for_code(_UNKNOWN_TOPIC_OR_PARTITION, "DescribeProducers: partitions not known: "
+                           + ", ".join(str(p) for p in sorted(wanted)))
 
     async def _describe_producers(
         self, parts: list[TopicPartition]
     ) -> dict[TopicPartition, list[ActiveProducer]]:
-        from kafka.structs import TopicPartition as KTopicPartition
-
         async def attempt() -> dict[TopicPartition, list[ActiveProducer]]:
             unknown = [p for p in parts if p not in self._leaders]
             if unknown:
-                found = await self._admin._async_get_leader_for_partitions(
-                    [KTopicPartition(p.topic, p.partition) for p in unknown])
-                for node, tps in found.items():
-                    for tp in tps:
-                        self._leaders[TopicPartition(tp.topic, tp.partition)] = node
+                await self._find_leaders(unknown)
             leaders: dict[int, list[TopicPartition]] = defaultdict(list)
             for p in parts:
                 leaders[self._leaders[p]].append(p)
@@ -413,7 +483,7 @@ class ControlPlane:
                 request = DescribeProducersRequest(topics=[
                     DescribeProducersRequest.TopicRequest(name=t, partition_indexes=ps)
                     for t, ps in by_topic.items()])
-                response = await self._send(request, leader)
+                response = await self._link.send(request, leader)
                 for topic in response.topics:
                     for part in topic.partitions:
                         tp_ = TopicPartition(topic.name, part.partition_index)
@@ -460,10 +530,9 @@ class ControlPlane:
                                what: str) -> None:
         async def attempt() -> None:
             node = await self._coordinator(tid)
-            request = EndTxnRequest(transactional_id=tid, producer_id=pid, producer_epoch=epoch,
-                                    committed=commit, max_version=_END_TXN_TV1_MAX_VERSION)
+            request = end_txn_request(tid, pid, epoch, commit, _END_TXN_TV1_MAX_VERSION)
             try:
-                response = await self._send(request, node)
+                response = await self._link.send(request, node)
             except (kafka_errors.KafkaTimeoutError, kafka_errors.RequestTimedOutError,
                     kafka_errors.KafkaConnectionError) as exc:
                 if commit:
@@ -498,13 +567,9 @@ class ControlPlane:
                                 enable_2pc: bool, keep_prepared: bool) -> ProducerIdentity:
         async def attempt() -> ProducerIdentity:
             node = await self._coordinator(tid)
-            fields: dict[str, Any] = {"transactional_id": tid,
-                                      "transaction_timeout_ms": timeout_ms}
-            if version is not None and version >= 6:
-                fields.update(enable2_pc=enable_2pc, keep_prepared_txn=keep_prepared)
-            request = (InitProducerIdRequest[version](**fields) if version is not None
-                       else InitProducerIdRequest(**fields, max_version=5))
-            response = await self._send(request, node)
+            request = init_producer_id_request(tid, timeout_ms, version, enable_2pc,
+                                               keep_prepared)
+            response = await self._link.send(request, node)
             if response.error_code in (_NOT_COORDINATOR, _COORDINATOR_NOT_AVAILABLE):
                 self._forget_coordinator(tid)
             raise_for_code(response.error_code, f"InitProducerId({tid!r})")
@@ -523,6 +588,7 @@ class ControlPlane:
         KeepPreparedTxn are accepted.
         """
         brokers = self._run(self._probe_brokers)
+        brokers = [replace(b, software=self._broker_software(b.node_id)) for b in brokers]
         ipid = min((b.api_versions[_INIT_PRODUCER_ID].max_version for b in brokers
                     if _INIT_PRODUCER_ID in b.api_versions), default=None)
         tv = min((b.finalized_features.get("transaction.version", 0) for b in brokers),
@@ -564,22 +630,27 @@ class ControlPlane:
         return f"accepted (producer_id={ident.producer_id}, epoch={ident.epoch})"
 
     async def _probe_brokers(self) -> list[BrokerProbe]:
-        await self._manager.bootstrap_async(int(self._timeout_s * 1000))
+        await self._link.bootstrap(int(self._timeout_s * 1000))
         out: list[BrokerProbe] = []
-        for broker in sorted(self._manager.cluster.brokers(), key=lambda b: b.node_id):
-            response = await self._send(ApiVersionsRequest(
-                client_software_name="dualwrite", client_software_version="0.1.0"),
-                broker.node_id)
-            raise_for_code(response.error_code, f"ApiVersions on broker {broker.node_id}")
+        for node in self._link.broker_ids():
+            response = await self._link.send(ApiVersionsRequest(
+                client_software_name="dualwrite", client_software_version="0.1.0"), node)
+            raise_for_code(response.error_code, f"ApiVersions on broker {node}")
             apis = {k.api_key: ApiRange(k.min_version, k.max_version) for k in response.api_keys}
             features = {f.name: f.max_version_level
                         for f in (getattr(response, "finalized_features", None) or [])}
-            conn = self._manager._conns.get(broker.node_id)
-            bvd = getattr(conn, "broker_version_data", None)
-            software = f"Apache Kafka {bvd.broker_version_str}" if bvd else "unknown"
-            out.append(BrokerProbe(broker.node_id, broker.host, broker.port,
-                                   software, apis, features))
+            host, port = self._link.broker_address(node)
+            out.append(BrokerProbe(node, host, port, "unknown", apis, features))
         return out
+
+    def _broker_software(self, node_id: int) -> str:
+        """The broker's version as its connection learned it (public admin API)."""
+        try:
+            bvd = self._admin.get_broker_version_data(node_id)
+        except kafka_errors.KafkaError as exc:
+            log.info("cannot read broker %s's version (%r)", node_id, exc)
+            return "unknown"
+        return f"Apache Kafka {bvd.broker_version_str}" if bvd else "unknown"
 
     def _broker_configs(self, node_id: int) -> dict[str, str]:
         from kafka.admin import ConfigResource, ConfigResourceType
@@ -597,5 +668,10 @@ class ControlPlane:
                     value = data.get("value") if isinstance(data, dict) else data
                     if value is not None:
                         out[key] = str(value)
+        if not out:
+            # kafka-python drops DescribeConfigs' per-resource error; with config_filter="all" an
+            # empty answer means CLUSTER_AUTHORIZATION_FAILED.
+            log.warning("cannot read the broker configuration (transaction.max.timeout.ms): "
+                        "grant DESCRIBE_CONFIGS on Cluster 'kafka-cluster' to this principal, or "
+                        "set transaction.timeout.ms yourself; continuing without it")
         return out
-

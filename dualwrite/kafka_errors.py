@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import kafka.errors as kafka_errors
 
 from dualwrite.errors import (
@@ -13,12 +15,14 @@ from dualwrite.errors import (
 )
 
 __all__ = [
+    "AuthenticationError",
     "AuthorizationError",
     "FatalKafkaError",
     "FencedKafkaError",
     "RetriableKafkaError",
     "error_info",
     "raise_for_code",
+    "required_acl",
 ]
 
 # What to do about the codes the transaction control plane meets. Everything else falls back to
@@ -28,8 +32,8 @@ _ADVICE: dict[int, str] = {
     14: "The transaction coordinator is loading its log; retry shortly.",
     15: "No transaction coordinator is available; check broker health and retry.",
     16: "The coordinator moved to another broker; look it up again and retry.",
-    29: "Grant WRITE on the topic to this principal.",
-    31: "Grant the needed cluster permission (IDEMPOTENT_WRITE or ALTER) to this principal.",
+    33: "The broker does not offer this SASL mechanism: check sasl.mechanism.",
+    34: "The SASL exchange went wrong: check security.protocol and sasl.mechanism.",
     35: "The broker does not support this request version; run `dualwrite probe` to see what "
     "it supports.",
     47: "The producer epoch is stale: another producer with this transactional id took over.",
@@ -38,13 +42,46 @@ _ADVICE: dict[int, str] = {
     49: "The coordinator does not know this producer id for the transactional id (expired, or "
     "taken over); inspect it with `dualwrite status`.",
     51: "Another state change of this transaction is in progress; retry shortly.",
-    53: "Grant WRITE (and TWO_PHASE_COMMIT for 2PC) on the transactional id to this principal.",
+    58: "Authentication failed: check sasl.username and sasl.password (and sasl.mechanism).",
     90: "Another producer with this transactional id has a newer epoch; this one is fenced and "
     "must stop.",
     105: "The coordinator has no such transactional id (never used, or expired).",
 }
 
 _AUTHORIZATION_CODES = frozenset({29, 30, 31, 53})
+_AUTHENTICATION_CODES = frozenset({33, 34, 58})
+
+# The ACL each request needs, by (API, error code): what a missing-ACL error tells the operator
+# to grant (see README.md, "Secured clusters"). WRITE, READ, DELETE and ALTER imply DESCRIBE.
+_RESOURCE_TYPE = {29: "Topic", 30: "Group", 31: "Cluster", 53: "TransactionalId"}
+_REQUIRED_OPERATION: dict[tuple[str, int], str] = {
+    ("Produce", 29): "WRITE",
+    ("AddPartitionsToTxn", 29): "WRITE",
+    ("DescribeProducers", 29): "READ",
+    ("Fetch", 29): "READ",
+    ("ListOffsets", 29): "DESCRIBE",
+    ("Metadata", 29): "DESCRIBE",
+    ("OffsetFetch", 30): "READ",
+    ("JoinGroup", 30): "READ",
+    ("FindCoordinator", 30): "DESCRIBE",
+    ("DescribeConfigs", 31): "DESCRIBE_CONFIGS",
+    ("InitProducerId", 31): "IDEMPOTENT_WRITE",
+    ("DescribeTransactions", 53): "DESCRIBE",
+    ("ListTransactions", 53): "DESCRIBE",
+    ("FindCoordinator", 53): "WRITE",  # the transactional producer's WRITE implies DESCRIBE
+    ("InitProducerId", 53): "WRITE",
+    ("EndTxn", 53): "WRITE",
+    ("AddPartitionsToTxn", 53): "WRITE",
+    ("AddOffsetsToTxn", 53): "WRITE",
+}
+_DEFAULT_OPERATION = {29: "WRITE", 30: "READ", 31: "DESCRIBE", 53: "WRITE"}
+_API_NAMES = frozenset(api for api, _ in _REQUIRED_OPERATION)
+_RESOURCE_PATTERNS = {
+    53: (r"transactional_id=([^\s,;)]+)", r"TRANSACTION/([^\s:,;]+)",
+         r"\('([^']+)'\)", r"transactional id '([^']+)'"),
+    29: (r"\(([^\s()]+)-\d+\)", r"[Tt]opic '([^']+)'", r"\(([^\s()',]+)\)"),
+    30: (r"[Gg]roup '([^']+)'",),
+}
 _FENCED_CODES = frozenset({47, 90})
 
 
@@ -57,7 +94,18 @@ class FatalKafkaError(KafkaProtocolError, FatalError):
 
 
 class AuthorizationError(FatalKafkaError):
-    """The principal lacks an ACL; the message names the permission to grant."""
+    """The principal lacks an ACL; the message names the permission to grant.
+
+    ``acl`` is that permission, e.g. ``"READ on Topic 'orders'"``.
+    """
+
+    def __init__(self, info: KafkaErrorInfo, context: str, acl: str) -> None:
+        super().__init__(info, context)
+        self.acl = acl
+
+
+class AuthenticationError(FatalKafkaError):
+    """SASL authentication failed (wrong user name, password or mechanism)."""
 
 
 class FencedKafkaError(KafkaProtocolError, ProducerFencedError):
@@ -73,15 +121,53 @@ def error_info(code: int) -> KafkaErrorInfo:
     return KafkaErrorInfo(code=code, name=str(name), retriable=retriable, advice=advice)
 
 
-def raise_for_code(code: int, context: str) -> None:
-    """Raise the dualwrite exception for a non-zero Kafka error code."""
+def required_acl(code: int, context: str, resource: str | None = None) -> str:
+    """The ACL whose absence makes a request fail with authorization error ``code``.
+
+    The request is named by the first Kafka API name in ``context`` (e.g. ``"EndTxn(commit)
+    transactional_id=x ..."``); the resource is ``resource`` or found in ``context``.
+    """
+    kind = _RESOURCE_TYPE.get(code, "resource")
+    found_at = [(context.find(a), a) for a in _API_NAMES if a in context]
+    api = min(found_at)[1] if found_at else ""  # the outermost request named first
+    operation = _REQUIRED_OPERATION.get((api, code), _DEFAULT_OPERATION.get(code, "the needed"))
+    if code == 31:
+        return f"{operation} on Cluster 'kafka-cluster'"
+    if resource is None:
+        for pattern in _RESOURCE_PATTERNS.get(code, ()):
+            found = re.search(pattern, context)
+            if found:
+                resource = found.group(1)
+                break
+    if resource and resource.startswith("prefix "):
+        name = resource  # e.g. "prefix 'dualwrite-verify-'": a PREFIXED ACL
+    else:
+        name = repr(resource) if resource else "(named above)"
+    acl = f"{operation} on {kind} {name}"
+    if code == 53 and operation == "WRITE" and api == "InitProducerId":
+        acl += " (and TWO_PHASE_COMMIT there for KIP-939 2PC, on brokers that enforce it)"
+    return acl
+
+
+def raise_for_code(code: int, context: str, *, resource: str | None = None) -> None:
+    """Raise the dualwrite exception for a non-zero Kafka error code.
+
+    Authorization errors become :class:`AuthorizationError` naming the missing ACL (``resource``
+    names the topic, group or transactional id when ``context`` does not).
+    """
     if code == 0:
         return
     info = error_info(code)
     if code in _FENCED_CODES:
         raise FencedKafkaError(info, context)
     if code in _AUTHORIZATION_CODES:
-        raise AuthorizationError(info, context)
+        acl = required_acl(code, context, resource)
+        advice = (f"Missing ACL: grant {acl} to this principal (see README.md, "
+                  "\"Secured clusters\").")
+        raise AuthorizationError(KafkaErrorInfo(info.code, info.name, False, advice), context,
+                                 acl)
+    if code in _AUTHENTICATION_CODES:
+        raise AuthenticationError(info, context)
     if info.retriable:
         raise RetriableKafkaError(info, context)
     raise FatalKafkaError(info, context)

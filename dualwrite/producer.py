@@ -105,6 +105,7 @@ class TwoPhaseProducer:
         self._first_offsets: dict[TopicPartition, int] = {}
         self._first_raw: dict[tuple[Any, Any], Any] = {}
         self._delivery_errors: list[str] = []
+        self._failed_topics: set[str] = set()
         self._delivered = self._record_delivery  # one bound method, not one per record
         self._produced = 0
         self._begun_at = 0.0
@@ -274,6 +275,7 @@ class TwoPhaseProducer:
         self._first_offsets = {}
         self._first_raw = {}
         self._delivery_errors = []
+        self._failed_topics = set()
         self._produced = 0
         self._prepared = None
         self._begun_at = time.monotonic()
@@ -368,6 +370,7 @@ class TwoPhaseProducer:
         """
         if err is not None:
             self._delivery_errors.append(f"{msg.topic()}[{msg.partition()}]: {err.str()}")
+            self._failed_topics.add(str(msg.topic()))
             return
         self._first_raw.setdefault((msg.topic(), msg.partition()), msg.offset())
 
@@ -391,6 +394,17 @@ class TwoPhaseProducer:
                                  f"abort_transaction() and retry ({self._ids()})")
         if self._delivery_errors:
             self._phase = _Phase.FAILED
+            # librdkafka purges the records of a transaction whose AddPartitionsToTxn failed
+            # (e.g. TOPIC_AUTHORIZATION_FAILED) and reports only "Purged in queue".
+            try:
+                missing = self._cp.missing_topic_acls(self._failed_topics)
+            except DualWriteError:
+                missing = []
+            if missing:
+                raise FatalError(
+                    f"{len(self._delivery_errors)} records failed delivery: Missing ACL: grant "
+                    f"{', '.join(missing)} to this principal (see README.md, \"Secured "
+                    f"clusters\"); {self._ids()}")
             raise RetriableError(f"{len(self._delivery_errors)} records failed delivery (first: "
                                  f"{self._delivery_errors[0]}); abort_transaction() and retry")
         self._first_offsets = {TopicPartition(str(t), int(p)): int(o)

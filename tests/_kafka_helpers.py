@@ -303,12 +303,12 @@ def raw_init_producer_id_v6(
     Retries COORDINATOR_LOAD_IN_PROGRESS / NOT_COORDINATOR (a fresh broker loads its transaction
     log first). Connection errors propagate (a broker without unstable versions disconnects).
     """
-    from kafka import KafkaAdminClient
     from kafka.errors import KafkaConnectionError, KafkaError
-    from kafka.protocol.metadata import CoordinatorType
-    from kafka.protocol.producer.transaction import InitProducerIdRequest
+    from kafka.protocol.metadata import CoordinatorType, FindCoordinatorRequest
 
-    admin = KafkaAdminClient(
+    from dualwrite._kafka_python_seam import KafkaLink, init_producer_id_request
+
+    link = KafkaLink(
         bootstrap_servers=bootstrap,
         request_timeout_ms=int(timeout_s * 1000),
         reconnect_backoff_max_ms=500,
@@ -316,21 +316,19 @@ def raw_init_producer_id_v6(
     try:
 
         async def send() -> Any:
-            node = await admin._find_coordinator_id(
-                transactional_id, key_type=CoordinatorType.TRANSACTION
-            )
-            request = InitProducerIdRequest[6](
-                transactional_id=transactional_id,
-                transaction_timeout_ms=60_000,
-                enable2_pc=enable_2pc,
-                keep_prepared_txn=keep_prepared_txn,
-            )
-            return await admin._manager.send(request, node_id=node)
+            found = await link.send(FindCoordinatorRequest(
+                key_type=CoordinatorType.TRANSACTION.value,
+                coordinator_keys=[transactional_id], min_version=4))
+            node = link.add_coordinator(
+                found.coordinators[0], CoordinatorType.TRANSACTION, transactional_id)
+            request = init_producer_id_request(
+                transactional_id, 60_000, 6, enable_2pc, keep_prepared_txn)
+            return await link.send(request, node)
 
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                response = admin._manager.run(send)
+                response = link.run(send)
             except KafkaError as exc:
                 # FindCoordinator on a fresh cluster: COORDINATOR_NOT_AVAILABLE while the
                 # transaction log is created. A closed connection is not retriable here.
@@ -345,4 +343,4 @@ def raw_init_producer_id_v6(
                     return response
             time.sleep(0.2)
     finally:
-        admin.close()
+        link.close()

@@ -110,6 +110,25 @@ def kafka3(_kafka3_session: LocalKafkaCluster) -> LocalKafkaCluster:
 
 
 @pytest.fixture(scope="session")
+def kafka_secured() -> Iterator[LocalKafkaCluster]:
+    """One Kafka 4.3.1 broker with SASL (SCRAM-SHA-512) on SASL_PLAINTEXT and SASL_SSL listeners,
+    a CA made for the run, and the StandardAuthorizer (``security="sasl"``, jars backend).
+
+    ``bootstrap_servers`` is the internal PLAINTEXT listener (a super user, for topics and
+    ACLs); tests create their own SCRAM users and ACLs. ``DUALWRITE_TEST_SECURED_STATE``: the
+    ``cluster.json`` of a running ``dualwrite dev up --security sasl`` to use instead.
+    """
+    state = os.environ.get("DUALWRITE_TEST_SECURED_STATE")
+    if state:
+        yield LocalKafkaCluster.from_state(Path(state))
+        return
+    backend: Backend = "docker" if BACKEND == "docker" else "jars"
+    with LocalKafkaCluster(brokers=1, kafka_version=KAFKA_VERSION, backend=backend,
+                           security="sasl") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
 def postgres_url() -> Iterator[str]:
     """SQLAlchemy URL of a session-wide PostgreSQL database (``postgresql+psycopg://``)."""
     external = os.environ.get("DUALWRITE_TEST_POSTGRES_URL")

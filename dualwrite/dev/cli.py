@@ -12,6 +12,7 @@ import click
 
 from dualwrite.dev._util import DevClusterError, dualwrite_home, pid_alive, port_open
 from dualwrite.dev.kafka_cluster import DEFAULT_KAFKA_VERSION, Backend, LocalKafkaCluster
+from dualwrite.dev.security import application_acls
 
 __all__ = ["dev", "state_file"]
 
@@ -84,6 +85,17 @@ def dev(verbose: bool) -> None:
     "--config", "configs", multiple=True, metavar="KEY=VALUE", help="Extra broker setting."
 )
 @click.option("--timeout", default=180.0, show_default=True, help="Seconds to wait for brokers.")
+@click.option(
+    "--security", type=click.Choice(["none", "sasl"]), default="none", show_default=True,
+    help="sasl: SCRAM-SHA-512 on a SASL_PLAINTEXT and a SASL_SSL listener (a CA made for the "
+    "run), ACLs (StandardAuthorizer), and a client properties file for an application "
+    "principal with the documented minimal ACLs (jars backend).",
+)  # fmt: skip
+@click.option(
+    "--acl-prefix", default="", metavar="PREFIX",
+    help="With --security sasl: the application's topics and transactional ids start with "
+    "PREFIX (default: any name).",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the cluster state as JSON.")
 def up(
     brokers: str,
@@ -92,6 +104,8 @@ def up(
     two_pc: bool,
     configs: tuple[str, ...],
     timeout: float,
+    security: str,
+    acl_prefix: str,
     as_json: bool,
 ) -> None:
     """Start a detached cluster and print its bootstrap address."""
@@ -118,20 +132,59 @@ def up(
         backend=cast(Backend, backend),
         detach=True,
         startup_timeout=timeout,
+        security="sasl" if security == "sasl" else "none",
     )
     try:
         cluster.start()
-    except DevClusterError as e:
-        raise click.ClickException(str(e)) from e
+        if security == "sasl" and cluster.secrets is not None:
+            cluster.create_acls(application_acls(
+                cluster.secrets.app.principal, topic_prefix=acl_prefix,
+                transactional_id_prefix=acl_prefix))
+    except BaseException as e:
+        if cluster.nodes:
+            cluster.stop()
+        if isinstance(e, DevClusterError):
+            raise click.ClickException(str(e)) from e
+        raise
     cluster.save_state(state_file())
     if as_json:
-        click.echo(json.dumps(cluster.to_state(), indent=2))
+        click.echo(json.dumps(_json_state(cluster), indent=2))
         return
     click.echo(
         f"Kafka {kafka_version} ({brokers} broker(s), {cluster.backend} backend) is up at "
-        f"{cluster.bootstrap_servers}"
+        f"{_bootstrap(cluster)}"
     )
-    click.echo(f"export DUALWRITE_BOOTSTRAP_SERVERS={cluster.bootstrap_servers}")
+    _echo_security(cluster)
+    click.echo(f"export DUALWRITE_BOOTSTRAP_SERVERS={_bootstrap(cluster)}")
+
+
+def _json_state(cluster: LocalKafkaCluster) -> dict[str, Any]:
+    """The state for ``--json``: a secured cluster's application address and properties file."""
+    state = cluster.to_state()
+    if state["security"]:
+        state["bootstrap_servers"] = _bootstrap(cluster)
+        state["client_properties"] = state["security"]["client_properties"]
+    return state
+
+
+def _bootstrap(cluster: LocalKafkaCluster) -> str:
+    """The address applications use: the SASL_SSL listener of a secured cluster."""
+    sec = cluster.security_state()
+    return str(sec["sasl_ssl_bootstrap_servers"]) if sec else cluster.bootstrap_servers
+
+
+def _echo_security(cluster: LocalKafkaCluster) -> None:
+    sec = cluster.security_state()
+    if not sec:
+        return
+    click.echo(f"  SASL_SSL (SCRAM-SHA-512, TLS): {sec['sasl_ssl_bootstrap_servers']}")
+    click.echo(f"  SASL_PLAINTEXT (SCRAM-SHA-512): {sec['sasl_plaintext_bootstrap_servers']}")
+    click.echo(f"  internal PLAINTEXT (super user, dev tooling only): "
+               f"{sec['internal_bootstrap_servers']}")
+    click.echo(f"  client properties for {sec['app_principal']}: {sec['client_properties']}")
+    click.echo(f"  (SASL_PLAINTEXT: {sec['client_properties_sasl_plaintext']}; "
+               f"super user: {sec['admin_properties']}; CA: {sec['ca_file']})")
+    click.echo(f"export DUALWRITE_KAFKA_PROPERTIES={sec['client_properties']}")
 
 
 @dev.command()
@@ -148,14 +201,15 @@ def status(as_json: bool) -> None:
     rows = _node_status(cluster)
     up_count = sum(1 for r in rows if r["process"] and r["port_open"])
     if as_json:
-        state = cluster.to_state()
+        state = _json_state(cluster)
         state.update(running=up_count == len(rows), nodes=rows)
         click.echo(json.dumps(state, indent=2))
     else:
         click.echo(
             f"Kafka {cluster.kafka_version}, {cluster.backend} backend, "
-            f"{up_count}/{len(rows)} broker(s) up, bootstrap {cluster.bootstrap_servers}"
+            f"{up_count}/{len(rows)} broker(s) up, bootstrap {_bootstrap(cluster)}"
         )
+        _echo_security(cluster)
         for r in rows:
             where = f"pid {r['pid']}" if r["pid"] is not None else f"container {r['container']}"
             state_text = "up" if r["process"] and r["port_open"] else "DOWN"

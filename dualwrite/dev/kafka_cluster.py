@@ -35,6 +35,17 @@ from dualwrite.dev._util import (
     terminate_pid,
 )
 from dualwrite.dev.maven import kafka_classpath, logging_flavour, major_version
+from dualwrite.dev.security import (
+    Acl,
+    ClusterSecurity,
+    ListenerProtocol,
+    ScramUser,
+    client_settings,
+    create_acls,
+    delete_acls,
+    upsert_scram_users,
+    write_properties_file,
+)
 
 __all__ = [
     "DEFAULT_KAFKA_VERSION",
@@ -50,6 +61,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Backend = Literal["auto", "jars", "docker"]
+Security = Literal["none", "sasl"]
 DEFAULT_KAFKA_VERSION = "4.3.1"
 DOCKER_IMAGE = "apache/kafka"
 _MAIN_CLASS = "kafka.Kafka"
@@ -107,6 +119,8 @@ class BrokerNode:
     directory: str = ""
     pid: int | None = None
     container: str | None = None
+    sasl_port: int | None = None
+    ssl_port: int | None = None
 
     @property
     def address(self) -> str:
@@ -157,7 +171,9 @@ def _docker_env_name(prop: str) -> str:
 
 def _write_properties(path: Path, props: Mapping[str, str]) -> None:
     lines = [f"{k}={v}" for k, v in props.items()]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold a keystore pass
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def _run(cmd: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
@@ -262,11 +278,14 @@ class LocalKafkaCluster:
         detach: bool = False,
         heap: str = "512m",
         startup_timeout: float = 120.0,
+        security: Security = "none",
     ) -> None:
         if brokers < 1:
             raise ValueError("brokers must be at least 1")
         if backend not in ("auto", "jars", "docker"):
             raise ValueError(f"backend must be 'auto', 'jars' or 'docker', not {backend!r}")
+        if security not in ("none", "sasl"):
+            raise ValueError(f"security must be 'none' or 'sasl', not {security!r}")
         major_version(kafka_version)
         self.brokers = brokers
         self.kafka_version = kafka_version
@@ -284,6 +303,10 @@ class LocalKafkaCluster:
         self._classpath: str | None = None
         self._java: str | None = None
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.security: Security = security
+        self.secrets: ClusterSecurity | None = None
+        """Users, CA and properties files of a ``security="sasl"`` cluster (jar backend)."""
+        self._security_state: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return (
@@ -313,6 +336,60 @@ class LocalKafkaCluster:
             raise DevClusterError("the cluster is not started: call start() first")
         return ",".join(n.address for n in self.nodes)
 
+    @property
+    def sasl_bootstrap_servers(self) -> str:
+        """The SASL_PLAINTEXT (SCRAM-SHA-512) listeners of a ``security="sasl"`` cluster."""
+        return self._listener_servers("sasl_port")
+
+    @property
+    def ssl_bootstrap_servers(self) -> str:
+        """The SASL_SSL (SCRAM-SHA-512 over TLS) listeners of a ``security="sasl"`` cluster."""
+        return self._listener_servers("ssl_port")
+
+    def _listener_servers(self, attr: str) -> str:
+        ports = [getattr(n, attr) for n in self.nodes]
+        if not self.nodes or None in ports:
+            raise DevClusterError("the cluster was not started with security='sasl'")
+        return ",".join(f"127.0.0.1:{p}" for p in ports)
+
+    def client_config(self, user: ScramUser | None = None,
+                      protocol: ListenerProtocol = "SASL_SSL") -> dict[str, str]:
+        """A librdkafka configuration for ``user`` (default: the application user)."""
+        if user is None:
+            user = self._require_secrets().app
+        servers = (self.ssl_bootstrap_servers if protocol == "SASL_SSL"
+                   else self.sasl_bootstrap_servers)
+        return client_settings(servers, protocol, user, self.ca_file)
+
+    @property
+    def ca_file(self) -> Path | None:
+        """The PEM file of the run's CA (``ssl.ca.location``) of a secured cluster."""
+        if self.secrets is not None and self.secrets.tls is not None:
+            return self.secrets.tls.ca_pem
+        ca = self._security_state.get("ca_file")
+        return Path(ca) if ca else None
+
+    def add_scram_user(self, name: str, password: str | None = None) -> ScramUser:
+        """Create a SCRAM-SHA-512 user (random password by default); it has no ACLs yet."""
+        user = ScramUser(name, password) if password else ScramUser.generate(name)
+        upsert_scram_users(self.bootstrap_servers, [user])
+        return user
+
+    def create_acls(self, acls: list[Acl]) -> None:
+        """Create ALLOW ACLs (as a super user, over the internal listener)."""
+        create_acls(self.bootstrap_servers, acls)
+
+    def delete_acls(self, acls: list[Acl]) -> None:
+        """Delete exactly these ACLs."""
+        delete_acls(self.bootstrap_servers, acls)
+
+    def _require_secrets(self) -> ClusterSecurity:
+        if self.secrets is None:
+            raise DevClusterError(
+                "no credentials: the cluster was not started by this process with "
+                "security='sasl' (a detached cluster's credentials are in its properties files)")
+        return self.secrets
+
     def broker_config(self, index: int) -> dict[str, str]:
         """The full ``server.properties`` of broker ``index`` (jar backend layout)."""
         node = self.nodes[index]
@@ -330,6 +407,15 @@ class LocalKafkaCluster:
             "controller.listener.names": "CONTROLLER",
             "log.dirs": str(Path(node.directory) / "data"),
         }
+        if self.security == "sasl":
+            sec = self._require_secrets()
+            extra = {"SASL_PLAINTEXT": node.sasl_port, "SASL_SSL": node.ssl_port}
+            listeners = [f"{name}://127.0.0.1:{port}" for name, port in extra.items()]
+            props["listeners"] += "," + ",".join(listeners)
+            props["advertised.listeners"] += "," + ",".join(listeners)
+            props["listener.security.protocol.map"] += ",".join(
+                ["", "SASL_PLAINTEXT:SASL_PLAINTEXT", "SASL_SSL:SASL_SSL"])
+            props.update(sec.broker_settings())
         props.update(self._settings())
         return props
 
@@ -345,6 +431,8 @@ class LocalKafkaCluster:
             else:
                 self._start_jars()
             self.wait_until_ready(self.startup_timeout)
+            if self.security == "sasl":
+                self._set_up_security()
         except BaseException:
             with contextlib.suppress(Exception):
                 self.stop()
@@ -481,6 +569,28 @@ class LocalKafkaCluster:
             "network": self.network,
             "extra_config": self.extra_config,
             "nodes": [asdict(n) for n in self.nodes],
+            "security": self.security_state(),
+        }
+
+    def security_state(self) -> dict[str, Any]:
+        """Addresses, principal and file paths of a secured cluster, without any password."""
+        if self.security != "sasl":
+            return {}
+        if self._security_state:
+            return dict(self._security_state)
+        sec = self._require_secrets()
+        assert sec.tls is not None
+        return {
+            "mechanism": "SCRAM-SHA-512",
+            "sasl_ssl_bootstrap_servers": self.ssl_bootstrap_servers,
+            "sasl_plaintext_bootstrap_servers": self.sasl_bootstrap_servers,
+            "internal_bootstrap_servers": self.bootstrap_servers,
+            "app_principal": sec.app.principal,
+            "client_properties": str(sec.directory / "client.properties"),
+            "client_properties_sasl_plaintext": str(
+                sec.directory / "client-sasl-plaintext.properties"),
+            "admin_properties": str(sec.directory / "admin.properties"),
+            "ca_file": str(sec.tls.ca_pem),
         }
 
     def save_state(self, path: Path) -> None:
@@ -503,7 +613,9 @@ class LocalKafkaCluster:
             extra_config=state.get("extra_config") or {},
             backend=state["backend"],
             detach=True,
+            security="sasl" if state.get("security") else "none",
         )
+        cluster._security_state = dict(state.get("security") or {})
         cluster.backend = state["backend"]
         cluster.data_dir = data_dir
         cluster.cluster_id = str(state["cluster_id"])
@@ -567,17 +679,55 @@ class LocalKafkaCluster:
         return "\n".join(parts)
 
     def _allocate_nodes(self, directory: Path | None) -> None:
-        ports = free_ports(2 * self.brokers)
+        per = 4 if self.security == "sasl" else 2
+        ports = free_ports(per * self.brokers)
         self.nodes = [
             BrokerNode(
                 index=i,
                 node_id=i + 1,
-                port=ports[2 * i],
-                controller_port=ports[2 * i + 1],
+                port=ports[per * i],
+                controller_port=ports[per * i + 1],
                 directory=str(directory / f"node-{i + 1}") if directory else "",
+                sasl_port=ports[per * i + 2] if per == 4 else None,
+                ssl_port=ports[per * i + 3] if per == 4 else None,
             )
             for i in range(self.brokers)
         ]
+
+    def _set_up_security(self) -> None:
+        """Create the SCRAM users and write the client properties files (no ACLs yet)."""
+        sec = self._require_secrets()
+        upsert_scram_users(self.bootstrap_servers, [sec.admin, sec.app])
+        note = "dualwrite dev cluster, principal {0}; --kafka-properties form (librdkafka names)"
+        write_properties_file(sec.directory / "client.properties",
+                              self.client_config(sec.app, "SASL_SSL"),
+                              note.format(sec.app.principal))
+        write_properties_file(sec.directory / "client-sasl-plaintext.properties",
+                              self.client_config(sec.app, "SASL_PLAINTEXT"),
+                              note.format(sec.app.principal))
+        write_properties_file(sec.directory / "admin.properties",
+                              self.client_config(sec.admin, "SASL_SSL"),
+                              note.format(sec.admin.principal) + ", a super user")
+        self.wait_for_authentication(self.client_config(sec.app, "SASL_SSL"))
+
+    def wait_for_authentication(self, config: Mapping[str, str], timeout: float = 30.0) -> None:
+        """Wait until SCRAM credentials just created authenticate on every broker."""
+        from confluent_kafka.admin import AdminClient
+
+        conf: dict[str, Any] = dict(config)
+        conf["logger"] = logging.getLogger("dualwrite.dev.librdkafka")
+        admin = AdminClient(conf)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if len(admin.list_topics(timeout=2.0).brokers) >= len(self.nodes):
+                    return
+            except Exception as e:  # authentication fails until the credential propagates
+                log.debug("SCRAM credentials not usable yet: %s", type(e).__name__)
+            if time.monotonic() > deadline:
+                raise DevClusterError(
+                    f"SCRAM credentials did not authenticate within {timeout:.0f} s")
+            time.sleep(0.2)
 
     # jar backend
 
@@ -588,6 +738,11 @@ class LocalKafkaCluster:
             self.data_dir = Path(tempfile.mkdtemp(prefix="dualwrite-kafka-"))
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._allocate_nodes(self.data_dir)
+        if self.security == "sasl":
+            security_dir = self.data_dir / "security"
+            if security_dir.exists():
+                shutil.rmtree(security_dir)
+            self.secrets = ClusterSecurity.create(security_dir)
         for node in self.nodes:
             node_dir = Path(node.directory)
             if node_dir.exists():
@@ -694,6 +849,7 @@ class LocalKafkaCluster:
             for node in self.nodes:
                 if node.directory:
                     shutil.rmtree(node.directory, ignore_errors=True)
+            shutil.rmtree(self.data_dir / "security", ignore_errors=True)
             with contextlib.suppress(OSError):
                 self.data_dir.rmdir()  # only if now empty
 
@@ -711,6 +867,10 @@ class LocalKafkaCluster:
         return result.stdout.strip()
 
     def _start_docker(self) -> None:
+        if self.security != "none":
+            raise DevClusterError(
+                "security='sasl' needs the jars backend (Java 17 and Maven): the run's CA and "
+                "keystore are files the brokers read from the local disk")
         image = f"{DOCKER_IMAGE}:{self.kafka_version}"
         if _run(["docker", "image", "inspect", image]).returncode != 0:
             log.info("pulling %s", image)
