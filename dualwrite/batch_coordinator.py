@@ -11,9 +11,13 @@ transaction per non-empty partition (the participants) and prepare it; the drive
 4. marks the batch completed and aborts every other open transaction of the sink (losing task
    attempts, speculative copies).
 
-At the start of a run, :meth:`BatchCoordinator.recover` commits the participants of a decided but
-not completed batch and aborts everything else the sink left open. Participant transactional ids
-come from a bounded pool: ``<sink>-b<batch parity>-p<partition>-a<attempt>``.
+Once a batch is decided it is only ever completed, never written again (its tasks would
+re-initialise the pooled ids and abort its participants); an in-doubt batch is completed before
+the next is decided or its replay skipped. At the start of a run, :meth:`BatchCoordinator.recover`
+commits the participants of a decided but not completed batch and aborts everything else the sink
+left open. All of it happens under the sink's decision lock (:meth:`DecisionLog.locked`).
+Participant transactional ids come from a bounded pool:
+``<sink>-b<batch parity>-p<partition>-a<attempt>``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine
 
@@ -45,8 +49,12 @@ from dualwrite.decision_log import (
 )
 from dualwrite.errors import (
     BatchHeuristicAbortError,
+    BatchInDoubtError,
     DualWriteError,
+    FatalError,
     HeuristicAbortError,
+    OutcomeUnknownError,
+    RecoverableError,
     RetriableError,
 )
 from dualwrite.prepared_state import PreparedTxnState
@@ -55,6 +63,7 @@ __all__ = ["BatchCoordinator", "BatchTimings", "SinkRecovery", "transactional_id
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 _OPEN_STATES = [TxnState.ONGOING, TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT]
 
 
@@ -119,8 +128,9 @@ class BatchCoordinator:
         self._pool = ThreadPoolExecutor(parallelism, thread_name_prefix=f"dualwrite-{sink_id}")
         self._pattern = _pool_pattern(sink_id)
         self.phase_hook: Callable[[str, int], None] | None = None
-        """Called with a phase ("decided", "committed-one", "committed", "completed") and the batch
-        id; the crash tests pause the driver there."""
+        """Called with a phase ("verified", "decided", "committed-one", "committed", "completed")
+        and the batch id; the crash and fault tests pause the driver or raise there. "verified"
+        runs under the sink's decision lock, before the decision is written."""
 
     def _phase(self, name: str, batch_id: int) -> None:
         if self.phase_hook is not None:
@@ -151,7 +161,8 @@ class BatchCoordinator:
         completed_batch = None
         committed = 0
         aborted: list[str] = []
-        with self.log.locked(self.sink_id) as (conn, record):
+        with self.log.locked(self.sink_id, timeout_s=self._timeout_s) as (conn, record):
+            self._check_readable(record)
             if record is not None and record.in_doubt:
                 log.info("sink=%s batch=%d was decided but not completed: committing %d "
                          "participants", self.sink_id, record.last_batch_id,
@@ -179,6 +190,42 @@ class BatchCoordinator:
     def last_decided(self) -> SinkRecord | None:
         return self.log.read(self.sink_id)
 
+    def _check_readable(self, record: SinkRecord | None) -> None:
+        if record is not None and record.invalid is not None:
+            raise FatalError(f"sink {self.sink_id!r} batch {record.last_batch_id}: the decision "
+                             f"log holds an unreadable {record.invalid}; repair that row")
+
+    def settle(self) -> int | None:
+        """Complete the sink's in-doubt batch, if any, under its decision lock; its id or None.
+
+        A decided batch is finished before anything else happens to the sink: before the next
+        batch is decided, and before a replay of it is skipped.
+        """
+        with self.log.locked(self.sink_id, timeout_s=self._timeout_s) as (conn, record):
+            self._check_readable(record)
+            if record is None or not record.in_doubt:
+                return None
+            log.info("sink=%s batch=%d is in doubt: committing its %d participants first",
+                     self.sink_id, record.last_batch_id, len(record.participants))
+            self.commit(record.last_batch_id, record.participants)
+            self.log.mark_completed(self.sink_id, record.last_batch_id, conn)
+            return record.last_batch_id
+
+    def should_write(self, batch_id: int) -> bool:
+        """Whether ``batch_id`` still has to be written; False for a replay of a decided batch.
+
+        An in-doubt batch is completed first (:meth:`settle`), never skipped blindly nor
+        written again: its tasks would re-initialise the pooled ids and abort its participants.
+        """
+        record = self.log.read(self.sink_id)
+        if record is not None and record.in_doubt:
+            self.settle()
+        if record is not None and batch_id <= record.last_batch_id:
+            log.info("sink=%s batch=%d already decided (last %d): skipping the replay",
+                     self.sink_id, batch_id, record.last_batch_id)
+            return False
+        return True
+
     # -- one batch -----------------------------------------------------------------------------
 
     def verify(self, participants: Sequence[Participant]) -> None:
@@ -205,7 +252,8 @@ class BatchCoordinator:
         verification fails, or sees the decision and commits them.
         """
         check = (lambda: self.verify(participants)) if verify else None
-        return self.log.decide(self.sink_id, batch_id, participants, self.staging, check)
+        return self.log.decide(self.sink_id, batch_id, participants, self.staging, check,
+                               timeout_s=self._timeout_s)
 
     def commit(self, batch_id: int, participants: Sequence[Participant]) -> int:
         """Commit every participant in parallel; returns how many are committed.
@@ -257,6 +305,19 @@ class BatchCoordinator:
                       exc.detail)
             return exc
 
+    def abort_lingering(self) -> list[str]:
+        """Abort the pool's open transactions except an in-doubt batch's participants.
+
+        The keep-set is read and the sweep runs under the sink's decision lock, so a decision in
+        progress (by a driver beside it) is waited for and its participants are kept.
+        """
+        with self.log.locked(self.sink_id, timeout_s=self._timeout_s) as (_, record):
+            if record is not None and record.invalid is not None:
+                self._check_readable(record)
+            keep = {p.transactional_id for p in record.participants} \
+                if record is not None and record.in_doubt else set()
+            return self.sweep(keep=keep)
+
     def sweep(self, keep: Sequence[str] | set[str]) -> list[str]:
         """Abort every open transaction of the sink's id pool except ``keep``."""
         listed = self.cp.list_transactions(states=_OPEN_STATES, prefix=self.sink_id)
@@ -276,34 +337,79 @@ class BatchCoordinator:
 
     def _decide_or_ask(self, batch_id: int, participants: Sequence[Participant],
                        verify: Callable[[], None]) -> bool:
-        """:meth:`decide`; if it fails, ask the database whether the decision was recorded.
+        """Decide; an in-doubt earlier batch is completed first; a failure is asked about.
 
-        Recorded: go on and commit. Not recorded: abort the participants (they would stall
+        Recorded: go on and commit. Not recorded: abort what the batch left open (it would stall
         read_committed readers until the next run) and re-raise. The database cannot answer:
-        leave everything to recovery, never guess.
+        :class:`OutcomeUnknownError`, everything left to recovery, nothing aborted.
         """
-        try:
-            return self.log.decide(self.sink_id, batch_id, participants, self.staging, verify)
-        except Exception as failure:
+        for _ in range(3):
+            progress: list[str] = []
             try:
-                record = self.log.read(self.sink_id)
-            except Exception:
+                return self.log.decide(self.sink_id, batch_id, participants, self.staging,
+                                       verify, timeout_s=self._timeout_s, progress=progress)
+            except BatchInDoubtError:
+                self.settle()  # nothing was written; complete the earlier batch, then decide
+            except Exception as failure:
+                if not progress:  # failed before its COMMIT was sent: certainly not decided
+                    self._quietly("abort the undecided batch's participants",
+                                  self.abort_lingering, list[str]())
+                    raise
+                return self._ask(batch_id, participants, failure)
+        raise RetriableError(f"sink {self.sink_id!r} batch {batch_id}: an earlier batch stays in "
+                             "doubt (is another driver of this sink running?); not decided")
+
+    def _ask(self, batch_id: int, participants: Sequence[Participant],
+             failure: Exception) -> bool:
+        """Whether the failed decision was recorded, asked under the sink's decision lock.
+
+        The lock is held by a failed session until its COMMIT has ended on the server (slow
+        fsync, synchronous replication, a cut connection), so the answer cannot be the stale
+        "not decided" of a COMMIT still in flight. The sweep of an undecided batch runs under
+        the same lock, so no decision can land between the answer and the aborts.
+        """
+        tids = {p.transactional_id for p in participants}
+        decided: bool | None = None
+        try:
+            with self.log.locked(self.sink_id, timeout_s=self._timeout_s) as (_, record):
+                decided = (record is not None and record.last_batch_id == batch_id
+                           and record.invalid is None
+                           and {p.transactional_id for p in record.participants} == tids)
+                if not decided and (record is None or record.last_batch_id < batch_id):
+                    keep = ({p.transactional_id for p in record.participants}
+                            if record is not None and record.in_doubt else set())
+                    try:
+                        self.sweep(keep=keep)  # not decided: nothing of this batch may stay open
+                    except DualWriteError as exc:
+                        log.warning("sink=%s batch=%d not decided; aborting its participants "
+                                    "failed (%s): the next batch or start aborts them",
+                                    self.sink_id, batch_id, exc)
+        except DualWriteError as exc:
+            if decided is None:
                 log.error("sink=%s batch=%d: the decision failed (%s) and the database cannot "
-                          "say whether it was recorded; restart the query or run `dualwrite "
-                          "recover`", self.sink_id, batch_id, failure)
-                raise failure from None
-            if (record is not None and record.last_batch_id == batch_id
-                    and {p.transactional_id for p in record.participants}
-                    == {p.transactional_id for p in participants}):
-                log.warning("sink=%s batch=%d: the decision reported %r but was recorded; "
-                            "committing", self.sink_id, batch_id, failure)
-                return True
-            if record is None or record.last_batch_id < batch_id:
-                self.sweep(keep=())  # not decided: nothing may stay open
-            raise
+                          "say whether it was recorded (%s); nothing is aborted, the sink's "
+                          "next start or `dualwrite recover` finishes it", self.sink_id,
+                          batch_id, failure, exc)
+                raise OutcomeUnknownError(
+                    f"sink {self.sink_id!r} batch {batch_id}: the decision failed ({failure}) and "
+                    f"the database cannot say whether it was recorded ({exc}); restart the query "
+                    "or run `dualwrite recover`, which finish what the database decided") \
+                    from failure
+        if decided:
+            log.warning("sink=%s batch=%d: the decision reported %r but was recorded; "
+                        "committing", self.sink_id, batch_id, failure)
+            return True
+        raise failure
 
     def finish(self, batch_id: int, participants: Sequence[Participant]) -> BatchTimings | None:
-        """Verify, decide, commit, complete, sweep. None if the batch was decided before."""
+        """Verify, decide, commit, complete, sweep. None if the batch was decided before.
+
+        Raises :class:`RetriableError` only when the batch was not decided (write it again).
+        Once it is decided no error may lead to writing it again (its tasks would re-initialise
+        the pooled ids and abort its participants): its completion is retried for up to the
+        coordinator's ``timeout_s``, then :class:`RecoverableError` says that the next batch,
+        the next start or `dualwrite recover` completes it.
+        """
         timings = BatchTimings()
         t0 = time.perf_counter()
 
@@ -311,25 +417,25 @@ class BatchCoordinator:
             started = time.perf_counter()
             self.verify(participants)
             timings.verify_s = time.perf_counter() - started
+            self._phase("verified", batch_id)
 
         if not self._decide_or_ask(batch_id, participants, verify):
-            self.sweep(keep=())
+            self._quietly("abort lingering transactions", lambda: self.sweep(keep=()), list[str]())
             return None
         t2 = time.perf_counter()
         log.info("sink=%s batch=%d decided participants=%s", self.sink_id, batch_id,
                  ",".join(p.transactional_id for p in participants) or "-")
-        self._phase("decided", batch_id)
-        self.commit(batch_id, participants)
-        t3 = time.perf_counter()
-        self._phase("committed", batch_id)
-        if participants:
-            self.log.mark_completed(self.sink_id, batch_id)
+        t3 = self._complete_decided(batch_id, participants)
         t4 = time.perf_counter()
         self._phase("completed", batch_id)
-        timings.aborted = self.sweep(keep={p.transactional_id for p in participants})
+        keep = {p.transactional_id for p in participants}
+        timings.aborted = self._quietly("abort losing attempts", lambda: self.sweep(keep=keep),
+                                        list[str]())
         t5 = time.perf_counter()
         if self.staging is not None:
-            self.staging.purge(self.sink_id, up_to_batch=batch_id)
+            staging = self.staging
+            self._quietly("delete staged rows",
+                          lambda: staging.purge(self.sink_id, up_to_batch=batch_id), 0)
         t6 = time.perf_counter()
         timings.decide_s, timings.commit_s = t2 - t0 - timings.verify_s, t3 - t2
         timings.complete_s, timings.sweep_s, timings.cleanup_s = t4 - t3, t5 - t4, t6 - t5
@@ -340,3 +446,42 @@ class BatchCoordinator:
                  (timings.commit_s + timings.complete_s) * 1e3, timings.sweep_s * 1e3,
                  len(timings.aborted))
         return timings
+
+    def _complete_decided(self, batch_id: int, participants: Sequence[Participant]) -> float:
+        """Commit a decided batch's participants and mark it completed, retrying transient
+        failures until ``timeout_s``; returns when the commits ended (perf_counter)."""
+        deadline = time.monotonic() + self._timeout_s
+        delay = 0.2
+        while True:
+            try:
+                self._phase("decided", batch_id)
+                self.commit(batch_id, participants)
+                committed_at = time.perf_counter()
+                self._phase("committed", batch_id)
+                if participants:
+                    self.log.mark_completed(self.sink_id, batch_id)
+                return committed_at
+            except RetriableError as exc:
+                if time.monotonic() + delay > deadline:
+                    log.error("sink=%s batch=%d decided, completing it failed for %.0f s (%s); "
+                              "left to the next batch, start or `dualwrite recover`",
+                              self.sink_id, batch_id, self._timeout_s, exc)
+                    raise RecoverableError(
+                        f"sink {self.sink_id!r} batch {batch_id} was decided (its rows are "
+                        f"published) but committing its participants failed ({exc}); do not "
+                        "write it again: the sink completes it before its next batch or at its "
+                        "next start, or run `dualwrite recover`") from exc
+                log.warning("sink=%s batch=%d decided; completing it failed (%s), retrying in "
+                            "%.1f s", self.sink_id, batch_id, exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def _quietly(self, what: str, action: Callable[[], _T], default: _T) -> _T:
+        """Run cleanup that follows a completed batch; a failure is logged, not raised (the next
+        batch or start repeats it)."""
+        try:
+            return action()
+        except DualWriteError as exc:
+            log.warning("sink=%s: %s failed (%s); the next batch or start does it", self.sink_id,
+                        what, exc)
+            return default

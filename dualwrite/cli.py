@@ -179,8 +179,10 @@ def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties
     """Commit or abort every in-doubt transaction, as the database decided.
 
     Batch sinks (the Spark sink): commits the participants of a decided, not completed batch
-    and aborts every other open transaction of the sink's id pool. Run it while the sink's
-    query is stopped (a running sink recovers itself when it starts).
+    and aborts every other open transaction of the sink's id pool, under the sink's decision
+    lock. It may run beside the sink's running query: a batch being decided is kept, a batch
+    not yet decided may be aborted and is then written again (a running sink also recovers
+    itself when it starts).
 
     Exit 0 when all are resolved, 3 on a heuristic outcome, 4 when Kafka or the database
     cannot be reached, 5 when some ids or sinks are still unresolved.

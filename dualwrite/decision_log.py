@@ -17,19 +17,32 @@ was decided before and is skipped when Spark replays it.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import logging
+import os
 import re
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
 from dualwrite.database import transaction
-from dualwrite.errors import FatalError, MigrationRequiredError, TransactionStateError
+from dualwrite.errors import (
+    BatchInDoubtError,
+    FatalError,
+    InvalidPreparedStateError,
+    LockTimeoutError,
+    MigrationRequiredError,
+    RetriableError,
+    TransactionStateError,
+)
 from dualwrite.prepared_state import PreparedTxnState
 
 __all__ = [
@@ -60,6 +73,19 @@ def check_sink_id(sink_id: str) -> str:
     return sink_id
 
 
+_LOCK_NOT_AVAILABLE = "55P03"
+_RETRY_STATES = ("40001", "40P01")  # serialization failure, deadlock: nothing was written
+
+
+
+
+def _lock_keys(sink_id: str) -> tuple[int, int]:
+    """The two int4 keys of a sink's decision lock (PostgreSQL advisory lock, two-key space)."""
+    digest = hashlib.sha256(b"dualwrite-sink\0" + sink_id.encode()).digest()
+    return (int.from_bytes(digest[:4], "big", signed=True),
+            int.from_bytes(digest[4:8], "big", signed=True))
+
+
 @dataclass(frozen=True)
 class Participant:
     """One partition's prepared Kafka transaction (and staged rows) in a batch."""
@@ -82,6 +108,9 @@ class SinkRecord:
     decided_at: datetime
     completed_at: datetime | None
     participants: tuple[Participant, ...]
+    invalid: str | None = None
+    """Why a participant row of the decided batch could not be read (then ``participants`` is
+    empty): this sink cannot be recovered until the row is repaired; other sinks can."""
 
     @property
     def in_doubt(self) -> bool:
@@ -123,10 +152,68 @@ class DecisionLog:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._lock_dir: Path | None = None
+        """SQLite file: where the sinks' decision-lock files live (see :meth:`_file_lock`)."""
+        if engine.dialect.name == "sqlite":
+            database = engine.url.database
+            if database and database != ":memory:" and not database.startswith("file:"):
+                db = Path(database).resolve()
+                self._lock_dir = db.with_name(db.name + ".dualwrite-sinks")
+
+    @contextmanager
+    def _file_lock(self, sink_id: str, timeout_s: float) -> Iterator[None]:
+        """SQLite: the sink's decision lock, an exclusive ``flock`` on a file beside the database.
+
+        The driver verifies and recovery sweeps under the decision lock, both Kafka I/O; as a
+        file lock it does not hold SQLite's database-wide write lock meanwhile, which every
+        other writer of the database needs (the write lock is taken only to write). Waiting is
+        bounded by ``timeout_s``, then :class:`LockTimeoutError`; the kernel drops the lock
+        when the process dies.
+        """
+        assert self._lock_dir is not None
+        name = hashlib.sha256(sink_id.encode()).hexdigest()[:32] + ".lock"
+        try:
+            self._lock_dir.mkdir(exist_ok=True)
+            fd = os.open(self._lock_dir / name, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise FatalError(f"cannot use the lock folder {self._lock_dir} beside the SQLite "
+                             f"database ({exc.strerror}); dualwrite needs to create files "
+                             "there") from exc
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise LockTimeoutError(
+                            f"sink {sink_id!r}: the decision lock stayed held by another "
+                            f"process (the sink's driver or `dualwrite recover`) for {timeout_s:g}"
+                            " s; retry") from None
+                    time.sleep(0.02)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def _migration_error(self, exc: sa.exc.DBAPIError) -> MigrationRequiredError:
         return MigrationRequiredError(
             f"the batch-sink tables are missing ({exc.orig}); run `dualwrite db upgrade --db URL`")
+
+    def _typed(self, exc: sa.exc.DBAPIError, sink_id: str | None) -> Exception:
+        """The :mod:`dualwrite.errors` exception for a database error of the decision log."""
+        what = f"sink {sink_id!r}: " if sink_id else ""
+        state = getattr(exc.orig, "sqlstate", None)
+        if _missing_table(exc):
+            return self._migration_error(exc)
+        if state == _LOCK_NOT_AVAILABLE or "database is locked" in str(exc.orig).lower():
+            return LockTimeoutError(
+                f"{what}the decision lock stayed held by another process (the sink's driver "
+                f"or `dualwrite recover`) past the lock timeout ({exc.orig}); retry")
+        if state in _RETRY_STATES:
+            return RetriableError(f"{what}the decision log transaction failed ({exc.orig}); "
+                                  "nothing was written, retry")
+        return FatalError(f"{what}the decision log transaction failed: {exc.orig}")
 
     def read(self, sink_id: str) -> SinkRecord | None:
         found = self.read_all([sink_id])
@@ -138,9 +225,7 @@ class DecisionLog:
             with transaction(self.engine, read_only=True) as conn:
                 return self._read(conn, sink_ids)
         except sa.exc.DBAPIError as exc:
-            if _missing_table(exc):
-                raise self._migration_error(exc) from exc
-            raise
+            raise self._typed(exc, None) from exc
 
     def _read(self, conn: Connection, sink_ids: Sequence[str] | None) -> list[SinkRecord]:
         query = sa.select(_SINKS).order_by(_SINKS.c.sink_id)
@@ -150,32 +235,54 @@ class DecisionLog:
             parts = parts.where(_PARTICIPANTS.c.sink_id.in_(list(sink_ids)))
         sinks = conn.execute(query).all()
         by_sink: dict[str, list[Participant]] = {}
+        invalid: dict[str, str] = {}
         last = {row.sink_id: row.last_batch_id for row in sinks}
         for p in conn.execute(parts):
-            if last.get(p.sink_id) == p.batch_id:
-                by_sink.setdefault(p.sink_id, []).append(Participant(
-                    p.partition_id, p.transactional_id,
-                    PreparedTxnState.parse(p.prepared_txn_state), p.records))
+            if last.get(p.sink_id) != p.batch_id:
+                continue
+            try:
+                state = PreparedTxnState.parse(p.prepared_txn_state)
+            except InvalidPreparedStateError as exc:
+                # One bad row must not hide every other sink's decision: report this sink only.
+                log.error("sink=%s batch=%d transactional_id=%s unreadable participant row: %s",
+                          p.sink_id, p.batch_id, p.transactional_id, exc)
+                invalid.setdefault(p.sink_id, f"participant {p.transactional_id!r}: {exc}")
+                continue
+            by_sink.setdefault(p.sink_id, []).append(Participant(
+                p.partition_id, p.transactional_id, state, p.records))
         return [SinkRecord(s.sink_id, s.last_batch_id, s.completed, _utc(s.decided_at),
                            _utc(s.completed_at) if s.completed_at else None,
-                           tuple(by_sink.get(s.sink_id, ()))) for s in sinks]
+                           () if s.sink_id in invalid else tuple(by_sink.get(s.sink_id, ())),
+                           invalid.get(s.sink_id)) for s in sinks]
 
     @contextmanager
-    def locked(self, sink_id: str) -> Iterator[tuple[Connection, SinkRecord | None]]:
-        """Hold the sink's decision lock (SQLite: the write lock) and yield its last decision.
+    def locked(self, sink_id: str, *, timeout_s: float = 30.0
+               ) -> Iterator[tuple[Connection | None, SinkRecord | None]]:
+        """Hold the sink's decision lock and yield its last decision.
 
         Recovery works under it, so it cannot abort participants that a running driver verified
         and is about to decide: the driver verifies under the same lock (see :meth:`decide`).
+        The lock exists before the sink's first decision (see :meth:`_lock`); waiting for it is
+        bounded by ``timeout_s``, then :class:`LockTimeoutError`. The connection is in the
+        locked transaction; it is None on an SQLite file, whose lock is a file lock and whose
+        writes under it (:meth:`mark_completed`) are short transactions of their own.
         """
+        if self._lock_dir is not None:
+            with self._file_lock(sink_id, timeout_s):
+                try:
+                    with transaction(self.engine, read_only=True) as conn:
+                        found = self._read(conn, [sink_id])
+                except sa.exc.DBAPIError as exc:
+                    raise self._typed(exc, sink_id) from exc
+                yield None, (found[0] if found else None)
+            return
         try:
             with transaction(self.engine) as conn:
-                self._lock(conn, sink_id)
+                self._lock(conn, sink_id, timeout_s)
                 found = self._read(conn, [sink_id])
                 yield conn, (found[0] if found else None)
         except sa.exc.DBAPIError as exc:
-            if _missing_table(exc):
-                raise self._migration_error(exc) from exc
-            raise
+            raise self._typed(exc, sink_id) from exc
 
     def has_tables(self) -> bool:
         with transaction(self.engine, read_only=True) as conn:
@@ -183,55 +290,103 @@ class DecisionLog:
 
     def decide(self, sink_id: str, batch_id: int, participants: Sequence[Participant],
                staging: StagingTable | None = None,
-               verify: Callable[[], None] | None = None) -> bool:
+               verify: Callable[[], None] | None = None, *, timeout_s: float = 30.0,
+               progress: list[str] | None = None) -> bool:
         """Record the decision to commit ``batch_id``; False if it (or a later one) was decided.
 
         In the same transaction the winning attempts' staged rows are published into the target
         table. ``verify`` runs under the sink's lock before anything is written; if it raises,
-        nothing is decided.
+        nothing is decided. Raises :class:`BatchInDoubtError`, writing nothing, while the last
+        decided batch is not completed: a decision must never overwrite an in-doubt one.
+        ``progress`` receives ``"commit"`` when the COMMIT is about to be sent: an error before
+        that decided nothing, one after it has an unknown outcome.
         """
         now = datetime.now(UTC)
         try:
+            if self._lock_dir is not None:
+                with self._file_lock(sink_id, timeout_s):
+                    with transaction(self.engine, read_only=True) as conn:
+                        last, completed = self._last(conn, sink_id)
+                    if not self._may_decide(sink_id, batch_id, last, completed):
+                        return False
+                    if verify is not None:
+                        verify()  # Kafka I/O: under the file lock, not the database's write lock
+                    with transaction(self.engine) as conn:
+                        self._write(conn, sink_id, batch_id, participants, staging, last, now)
+                        if progress is not None:
+                            progress.append("commit")
+                return True
             with transaction(self.engine) as conn:
-                last = self._lock(conn, sink_id)
-                if last is not None and batch_id <= last:
-                    log.info("sink=%s batch=%d was decided before (last decided %d); skipping",
-                             sink_id, batch_id, last)
+                last, completed = self._lock(conn, sink_id, timeout_s)
+                if not self._may_decide(sink_id, batch_id, last, completed):
                     return False
                 if verify is not None:
                     verify()
-                conn.execute(sa.delete(_PARTICIPANTS).where(_PARTICIPANTS.c.sink_id == sink_id))
-                if participants:
-                    conn.execute(sa.insert(_PARTICIPANTS), [
-                        {"sink_id": sink_id, "transactional_id": p.transactional_id,
-                         "batch_id": batch_id, "partition_id": p.partition_id,
-                         "prepared_txn_state": str(p.state), "records": p.records}
-                        for p in participants])
-                if staging is not None:
-                    keys = [p.attempt_key for p in participants if p.attempt_key]
-                    moved = staging.publish(conn, sink_id, batch_id, keys)
-                    log.info("sink=%s batch=%d published %d staged rows into %s", sink_id,
-                             batch_id, moved, staging.target)
-                values = {"last_batch_id": batch_id, "completed": not participants,
-                          "decided_at": now, "completed_at": now if not participants else None}
-                if last is None:
-                    conn.execute(sa.insert(_SINKS).values(sink_id=sink_id, **values))
-                else:
-                    conn.execute(sa.update(_SINKS).where(_SINKS.c.sink_id == sink_id)
-                                 .values(**values))
+                self._write(conn, sink_id, batch_id, participants, staging, last, now)
+                if progress is not None:
+                    progress.append("commit")
         except sa.exc.DBAPIError as exc:
-            if _missing_table(exc):
-                raise self._migration_error(exc) from exc
-            raise
+            raise self._typed(exc, sink_id) from exc
         return True
 
-    def _lock(self, conn: Connection, sink_id: str) -> int | None:
-        # On SQLite the transaction holds the write lock already (BEGIN IMMEDIATE).
-        query = sa.select(_SINKS.c.last_batch_id).where(_SINKS.c.sink_id == sink_id)
+    @staticmethod
+    def _may_decide(sink_id: str, batch_id: int, last: int | None, completed: bool) -> bool:
+        if last is not None and not completed:
+            raise BatchInDoubtError(sink_id, last)
+        if last is not None and batch_id <= last:
+            log.info("sink=%s batch=%d was decided before (last decided %d); skipping",
+                     sink_id, batch_id, last)
+            return False
+        return True
+
+    @staticmethod
+    def _write(conn: Connection, sink_id: str, batch_id: int,
+               participants: Sequence[Participant], staging: StagingTable | None,
+               last: int | None, now: datetime) -> None:
+        """The decision's writes, in the locked transaction (SQLite: under the write lock)."""
+        conn.execute(sa.delete(_PARTICIPANTS).where(_PARTICIPANTS.c.sink_id == sink_id))
+        if participants:
+            conn.execute(sa.insert(_PARTICIPANTS), [
+                {"sink_id": sink_id, "transactional_id": p.transactional_id,
+                 "batch_id": batch_id, "partition_id": p.partition_id,
+                 "prepared_txn_state": str(p.state), "records": p.records}
+                for p in participants])
+        if staging is not None:
+            keys = [p.attempt_key for p in participants if p.attempt_key]
+            moved = staging.publish(conn, sink_id, batch_id, keys)
+            log.info("sink=%s batch=%d published %d staged rows into %s", sink_id,
+                     batch_id, moved, staging.target)
+        values = {"last_batch_id": batch_id, "completed": not participants,
+                  "decided_at": now, "completed_at": now if not participants else None}
+        if last is None:
+            conn.execute(sa.insert(_SINKS).values(sink_id=sink_id, **values))
+        else:
+            conn.execute(sa.update(_SINKS).where(_SINKS.c.sink_id == sink_id).values(**values))
+
+    def _lock(self, conn: Connection, sink_id: str,
+              timeout_s: float) -> tuple[int | None, bool]:
+        """Take the sink's decision lock; the last decided batch id and whether it is completed.
+
+        PostgreSQL: a transaction-level advisory lock on a key derived from the sink id. Unlike
+        ``SELECT ... FOR UPDATE`` it exists before the sink's first decision (no row to lock
+        yet), and it is held until the transaction's COMMIT has finished on the server, so a
+        session that waits for it sees the outcome of a COMMIT still in flight. SQLite in memory:
+        the transaction holds the write lock already (BEGIN IMMEDIATE); an SQLite file uses
+        :meth:`_file_lock` instead.
+        """
         if conn.dialect.name == "postgresql":
-            query = query.with_for_update()
-        last: int | None = conn.execute(query).scalar_one_or_none()
-        return last
+            k1, k2 = _lock_keys(sink_id)
+            conn.exec_driver_sql(f"SET LOCAL lock_timeout = {max(1, int(timeout_s * 1000))}")
+            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(k1, k2)))
+        return self._last(conn, sink_id)
+
+    @staticmethod
+    def _last(conn: Connection, sink_id: str) -> tuple[int | None, bool]:
+        row = conn.execute(sa.select(_SINKS.c.last_batch_id, _SINKS.c.completed)
+                           .where(_SINKS.c.sink_id == sink_id)).one_or_none()
+        if row is None:
+            return None, True
+        return int(row.last_batch_id), bool(row.completed)
 
     def mark_completed(self, sink_id: str, batch_id: int, conn: Connection | None = None) -> None:
         """Every participant of ``batch_id`` is committed (no-op if a later batch was decided).
@@ -241,11 +396,14 @@ class DecisionLog:
         stmt = (sa.update(_SINKS)
                 .where(_SINKS.c.sink_id == sink_id, _SINKS.c.last_batch_id == batch_id)
                 .values(completed=True, completed_at=datetime.now(UTC)))
-        if conn is not None:
-            conn.execute(stmt)
-            return
-        with transaction(self.engine) as own:
-            own.execute(stmt)
+        try:
+            if conn is not None:
+                conn.execute(stmt)
+                return
+            with transaction(self.engine) as own:
+                own.execute(stmt)
+        except sa.exc.DBAPIError as exc:
+            raise self._typed(exc, sink_id) from exc
 
     def forget(self, sink_id: str) -> None:
         """Drop a sink's decisions, e.g. before starting it over with a new checkpoint."""

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "BatchInDoubtError",
     "BrokerUnreachableError",
     "DatabaseUnreachableError",
     "DualWriteError",
@@ -32,6 +33,7 @@ __all__ = [
     "ProducerFencedError",
     "RecoverableError",
     "RetriableError",
+    "TransactionConflictError",
     "TransactionStateError",
 ]
 
@@ -69,7 +71,13 @@ class LockTimeoutError(RetriableError):
 
 
 class DatabaseUnreachableError(RetriableError):
-    """The database did not answer."""
+    """The database did not answer, or the connection to it was lost (also: server shutting
+    down or restarting); nothing of the failed transaction was committed unless stated."""
+
+
+class TransactionConflictError(RetriableError):
+    """The database rolled the transaction back to resolve a conflict with a concurrent one
+    (serialization failure, deadlock); nothing was written, run the transaction again."""
 
 
 class ProducerFencedError(FatalError):
@@ -196,3 +204,17 @@ class OutcomeUnreadableError(HeuristicOutcomeError):
         self.transactional_id = transactional_id
         self.state = state
         self.detail = detail
+
+
+class BatchInDoubtError(RetriableError):
+    """The sink's last decided batch is not completed yet: complete it before deciding another.
+
+    Raised by :meth:`DecisionLog.decide` before anything is written; the coordinator completes
+    the batch and decides again (a later decision must not overwrite an in-doubt one).
+    """
+
+    def __init__(self, sink_id: str, batch_id: int) -> None:
+        super().__init__(f"sink {sink_id!r}: batch {batch_id} was decided but is not completed; "
+                         "its participants must be committed before another batch is decided")
+        self.sink_id = sink_id
+        self.batch_id = batch_id

@@ -343,16 +343,19 @@ def _recover_sinks(cp: ControlPlane, engine: Engine, kafka_config: Mapping[str, 
     with read_committed, which an open transaction that started earlier on that partition
     blocks: a lingering transaction of this or another sink, which only the later sweep would
     end. So every sink's pool is swept first (keeping an in-doubt batch's participants), and a
-    sink that failed is tried once more after the others were completed.
+    sink that failed is tried once more after the others were completed. Each sweep runs under
+    the sink's decision lock, so it may run beside the sink's running query: it can abort a
+    batch that is not decided yet (the driver's verification fails and the batch is written
+    again), never one that is being or has been decided.
     """
     swept: dict[str, list[str]] = {}
-    for sink_id, record in sinks:
-        keep = {p.transactional_id for p in record.participants} \
-            if record is not None and record.in_doubt else set()
+    for sink_id, _ in sinks:
         try:
             with BatchCoordinator(sink_id, engine, kafka_config, control_plane=cp,
                                   timeout_s=timeout_s) as coordinator:
-                swept[sink_id] = coordinator.sweep(keep=keep)
+                # Under the decision lock a running driver verifies and decides under: the
+                # keep-set is read there, and no decision can land while the sweep runs.
+                swept[sink_id] = coordinator.abort_lingering()
         except DualWriteError as exc:  # reported by the recovery proper below
             log.warning("sink=%s aborting lingering transactions failed: %s", sink_id, exc)
     results = {s: _recover_sink(cp, engine, kafka_config, s, r, acknowledge_heuristic,
@@ -387,8 +390,9 @@ def recover(engine: Engine | str, kafka_config: Mapping[str, Any],
     the database predates it), or none when ``transactional_ids`` are given. For each sink the
     participants of a decided, not completed batch are committed and every other open
     transaction of its id pool is aborted (:meth:`BatchCoordinator.recover`; staged rows are
-    left to the sink). Do not run it for a sink whose query is running: the sweep aborts the
-    transactions its tasks are preparing.
+    left to the sink), under the sink's decision lock: it may run beside the sink's running
+    query (a batch not decided yet may be aborted and is written again; a decided one is kept).
+    An id whose live writer holds its lease is left to that writer (``left-to-live-writer``).
 
     Returns a report; it does not raise for per-id or per-sink problems (see ``report.ok``).
     With ``acknowledge_heuristic`` a heuristic abort is recorded as seen (its state cleared, or

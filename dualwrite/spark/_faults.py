@@ -5,6 +5,8 @@
 - ``pause:<point>:<batch>``: the driver prints ``DUALWRITE-PAUSED <point> <batch>`` and sleeps, so a
   test can SIGKILL it there. Points: ``prepared``, ``decided``, ``committed-one``, ``committed``,
   ``completed``.
+- ``down:<point>:<batch>[:<times>]``: the driver raises ``BrokerUnreachableError`` at that point
+  (as a broker restart would), the first ``times`` times (default 1) in this process.
 - ``fail:<partition>:<attempt>:<batch>``: that task attempt raises after preparing its transaction.
 - ``slow:<partition>:<attempt>:<batch>:<seconds>[:<marker file>]``: that task attempt touches the
   marker file, if given, and sleeps before preparing (a straggler for speculative execution, or a
@@ -19,7 +21,10 @@ import os
 import sys
 import time
 
+from dualwrite.errors import BrokerUnreachableError
+
 ENV = "DUALWRITE_SPARK_FAULTS"
+_raised: dict[str, int] = {}
 
 
 def _rules() -> list[list[str]]:
@@ -28,6 +33,13 @@ def _rules() -> list[list[str]]:
 
 def driver_point(point: str, batch_id: int) -> None:
     for rule in _rules():
+        if rule[:3] == ["down", point, str(batch_id)]:
+            key = ":".join(rule[:3])
+            if _raised.get(key, 0) < (int(rule[3]) if len(rule) > 3 else 1):
+                _raised[key] = _raised.get(key, 0) + 1
+                print(f"DUALWRITE-DOWN {point} {batch_id}", flush=True)
+                raise BrokerUnreachableError(f"injected ({ENV}): broker unreachable at {point} "
+                                             f"of batch {batch_id}")
         if rule[:3] == ["pause", point, str(batch_id)]:
             print(f"DUALWRITE-PAUSED {point} {batch_id}", flush=True)
             sys.stdout.flush()

@@ -67,6 +67,7 @@ class ExactlyOnceSink:
             raise ValueError("max_participants must be at least 1")
         self._max_participants = max_participants
         self._coordinator: BatchCoordinator | None = None
+        self._needs_recovery = False
         self._start_lock = threading.Lock()
         self.recovery: SinkRecovery | None = None
         """What the start of this run recovered."""
@@ -77,6 +78,13 @@ class ExactlyOnceSink:
     def _start(self) -> BatchCoordinator:
         with self._start_lock:
             if self._coordinator is not None:
+                if self._needs_recovery:
+                    # A batch failed: the query stopped and this is (likely) its restart in the
+                    # same process. Recover as a fresh start would, before anything else.
+                    log.info("sink=%s: the last batch failed; recovering before the next one",
+                             self.sink_id)
+                    self.recovery = self._coordinator.recover()
+                    self._needs_recovery = False
                 return self._coordinator
             engine = create_engine(self.database_url)
             if self._migrate:
@@ -113,10 +121,16 @@ class ExactlyOnceSink:
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         coordinator = self._start()
-        record = coordinator.last_decided()
-        if record is not None and batch_id <= record.last_batch_id:
-            log.info("sink=%s batch=%d already decided (last %d): skipping the replay",
-                     self.sink_id, batch_id, record.last_batch_id)
+        try:
+            self._write(coordinator, df, batch_id)
+        except BaseException:
+            self._needs_recovery = True  # the next call recovers first (a restarted query)
+            raise
+
+    def _write(self, coordinator: BatchCoordinator, df: DataFrame, batch_id: int) -> None:
+        """Write one batch; re-run its tasks only while it is certainly not decided."""
+        # An in-doubt batch is completed first; a decided one is skipped as a replay.
+        if not coordinator.should_write(batch_id):
             if self.on_batch is not None:
                 self.on_batch(batch_id, None, 0)
             return
@@ -134,6 +148,8 @@ class ExactlyOnceSink:
                                         r.attempt_key) for r in rows]
             _faults.driver_point("prepared", batch_id)
             try:
+                # RetriableError only while the batch is not decided; after the decision, a
+                # failure to complete it is a RecoverableError, and the tasks never run again.
                 timings = coordinator.finish(batch_id, participants)
             except RetriableError as exc:
                 if attempt == self._batch_attempts:
@@ -156,7 +172,8 @@ class ExactlyOnceSink:
         """
         if self._coordinator is not None:
             try:
-                self._coordinator.sweep(keep=())
+                # Never the participants of a batch left in doubt: the next start commits them.
+                self._coordinator.abort_lingering()
             except DualWriteError as exc:
                 log.warning("sink=%s could not abort lingering transactions on close (%s); "
                             "the next run or `dualwrite recover` will", self.sink_id, exc)
