@@ -29,6 +29,7 @@ from dualwrite.errors import (
     ProducerFencedError,
     RecoverableError,
     RetriableError,
+    TransactionConflictError,
     TransactionStateError,
 )
 from dualwrite.prepared_state import PreparedTxnState
@@ -68,6 +69,7 @@ __all__ = [
     "StateStore",
     "StatusReport",
     "TopicPartition",
+    "TransactionConflictError",
     "TransactionDescription",
     "TransactionStateError",
     "TwoPhaseProducer",

@@ -7,6 +7,8 @@
 - :func:`upgrade_database`, :func:`current_revision` and :func:`check_schema` manage dualwrite's own
   tables with Alembic, using the version table ``dualwrite_alembic_version`` so that the
   application's own Alembic history is never touched.
+- :func:`database_error` is the one place database errors become :mod:`dualwrite.errors` types,
+  by what the caller does next (retry, upgrade, give up).
 - :func:`transaction` opens a short transaction and turns connection failures into
   :class:`~dualwrite.errors.DatabaseUnreachableError`.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import shlex
+import sqlite3
 import threading
 import weakref
 from collections.abc import Iterator
@@ -33,7 +36,14 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy.engine import URL, make_url
 
-from dualwrite.errors import DatabaseUnreachableError, MigrationRequiredError
+from dualwrite.errors import (
+    DatabaseUnreachableError,
+    DualWriteError,
+    FatalError,
+    LockTimeoutError,
+    MigrationRequiredError,
+    TransactionConflictError,
+)
 
 __all__ = [
     "MIGRATION_LOCK_KEY",
@@ -43,7 +53,9 @@ __all__ = [
     "check_schema",
     "create_engine",
     "current_revision",
+    "database_error",
     "head_revision",
+    "is_missing_schema",
     "mask_url",
     "migrations_dir",
     "normalize_url",
@@ -157,13 +169,145 @@ def uses_begin_immediate(engine: Engine) -> bool:
     return engine in _IMMEDIATE_ENGINES
 
 
-def unreachable_error(url: URL, exc: BaseException) -> DatabaseUnreachableError:
-    """The error for a failed connection; the driver's text is kept, the password scrubbed."""
+def _driver_detail(url: URL, exc: BaseException) -> str:
+    """The first line of the driver's message, with the URL's password scrubbed."""
     lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
     detail = lines[0] if lines else type(exc).__name__
     if url.password:
         detail = detail.replace(str(url.password), "***")
-    return DatabaseUnreachableError(f"cannot reach the database {mask_url(url)}: {detail}")
+    return detail
+
+
+def unreachable_error(url: URL, exc: BaseException) -> DatabaseUnreachableError:
+    """The error for a failed connection; the driver's text is kept, the password scrubbed."""
+    return DatabaseUnreachableError(
+        f"cannot reach the database {mask_url(url)}: {_driver_detail(url, exc)}")
+
+
+# SQLSTATEs, grouped by what the caller does next (see database_error).
+#: The session is gone or cannot start: admin_shutdown, crash_shutdown, cannot_connect_now,
+#: idle_session_timeout, idle_in_transaction_session_timeout, too_many_connections (and class 08).
+_UNREACHABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "57P05", "25P03", "53300"})
+#: The server rolled the transaction back to resolve a conflict: serialization failure, deadlock.
+_CONFLICT_SQLSTATES = frozenset({"40001", "40P01"})
+#: lock_not_available: lock_timeout (or NOWAIT) expired.
+_LOCK_NOT_AVAILABLE = "55P03"
+#: undefined_table, undefined_column.
+_MISSING_SCHEMA_SQLSTATES = frozenset({"42P01", "42703"})
+_SQLITE_MISSING_SCHEMA = ("no such table", "no such column", "has no column named")
+_SQLITE_BUSY = ("database is locked", "database table is locked", "database is busy")
+
+
+def _sqlstate(orig: BaseException | None) -> str | None:
+    state = getattr(orig, "sqlstate", None)
+    return state if isinstance(state, str) else None
+
+
+def is_missing_schema(exc: BaseException) -> bool:
+    """The statement failed because a table, or a column a later migration added, is missing."""
+    orig = getattr(exc, "orig", None) or exc
+    if _sqlstate(orig) in _MISSING_SCHEMA_SQLSTATES:
+        return True
+    if isinstance(orig, sqlite3.Error):
+        text = str(orig).lower()
+        return any(s in text for s in _SQLITE_MISSING_SCHEMA)
+    return False
+
+
+def _connection_lost(exc: BaseException, orig: BaseException | None) -> bool:
+    """The connection is gone or could not be made, whatever the statement was."""
+    if isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated:
+        return True
+    if isinstance(exc, (sa.exc.TimeoutError, sa.exc.DisconnectionError)):
+        return True  # no pooled connection came free in time / the pool's ping failed
+    state = _sqlstate(orig)
+    if state is not None:
+        return state.startswith("08") or state in _UNREACHABLE_SQLSTATES
+    # psycopg reports a failed connect, a closed connection and a dropped socket without a
+    # SQLSTATE; SQLite's errors never mean a lost server.
+    return (isinstance(exc, (sa.exc.OperationalError, sa.exc.InterfaceError))
+            and orig is not None and not isinstance(orig, sqlite3.Error))
+
+
+def database_error(exc: BaseException, url: URL, *, table: str | None = None) -> DualWriteError:
+    """The :mod:`dualwrite.errors` exception for a database error of dualwrite's own statements.
+
+    The one translation layer of the database side; chain it (``raise database_error(exc, url)
+    from exc``). Grouped by what the caller does next:
+
+    - connection lost, cannot connect, server shutting down or restarting (SQLSTATE class 08,
+      57P01-57P03, 57P05, 25P03, 53300, an invalidated connection, psycopg's errors without a
+      SQLSTATE, a pool timeout): :class:`DatabaseUnreachableError` (retry);
+    - a lock held past the timeout (55P03; SQLite "database is locked" past its busy timeout):
+      :class:`LockTimeoutError` (retry);
+    - serialization failure (40001) or deadlock (40P01): :class:`TransactionConflictError`
+      (run the transaction again);
+    - a missing table or column (42P01, 42703, SQLite "no such table/column"):
+      :class:`MigrationRequiredError` (upgrade the schema);
+    - anything else: :class:`FatalError` with the driver's message.
+
+    ``table`` names the table the statement used (its name goes into the message; for
+    dualwrite's state table the migration message gives the upgrade command). Messages never
+    carry the password. A :class:`DualWriteError` is returned unchanged.
+    """
+    if isinstance(exc, DualWriteError):
+        return exc
+    orig = exc.orig if isinstance(exc, sa.exc.DBAPIError) else None
+    where = mask_url(url)
+    detail = _driver_detail(url, exc)
+    state = _sqlstate(orig)
+    if _connection_lost(exc, orig):
+        return unreachable_error(url, exc)
+    if state == _LOCK_NOT_AVAILABLE or (
+            isinstance(orig, sqlite3.OperationalError)
+            and any(s in str(orig).lower() for s in _SQLITE_BUSY)):
+        what = (f"the {table} row is locked by another process (a writer of the same "
+                "transactional id, or recovery)" if table else
+                f"a lock in the database {where} stayed held by another process")
+        return LockTimeoutError(f"{what} for longer than the lock timeout ({detail}); retry")
+    if state in _CONFLICT_SQLSTATES:
+        return TransactionConflictError(
+            f"the database {where} rolled the transaction back to resolve a conflict with a "
+            f"concurrent transaction ({detail}); nothing of it was written, retry")
+    if is_missing_schema(exc):
+        if table is None or table == STATE_TABLE:
+            how = (f"Create or upgrade it with: {upgrade_command(url)} (or, if the "
+                   "application's own migrations made it, see docs/sql.md)")
+        else:
+            how = "Create or alter it in the application's own migrations (see docs/sql.md)."
+        name = f"the dualwrite table {table!r}" if table else "a dualwrite table"
+        return MigrationRequiredError(
+            f"{name} does not exist or lacks a column of this dualwrite version in {where} "
+            f"({detail}). {how}")
+    return FatalError(f"database error on {where}: {detail}")
+
+
+@contextmanager
+def _in_transaction(conn: Connection, url: URL) -> Iterator[Connection]:
+    """Begin on ``conn``; commit after the block, roll back if it raises.
+
+    BEGIN and COMMIT failures are translated (:func:`database_error`). An error of the block is
+    the caller's own and propagates unchanged, except a lost connection
+    (:class:`DatabaseUnreachableError`).
+    """
+    try:
+        trans = conn.begin()
+    except sa.exc.SQLAlchemyError as exc:
+        raise database_error(exc, url) from exc
+    try:
+        yield conn
+    except BaseException as exc:
+        try:
+            trans.rollback()
+        except sa.exc.SQLAlchemyError as failed:
+            logger.debug("rollback on %s failed: %s", mask_url(url), failed)
+        if isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated:
+            raise unreachable_error(url, exc) from exc
+        raise
+    try:
+        trans.commit()
+    except sa.exc.SQLAlchemyError as exc:
+        raise database_error(exc, url) from exc
 
 
 @contextmanager
@@ -171,34 +315,26 @@ def transaction(engine: Engine, *, read_only: bool = False,
                 connection: Connection | None = None) -> Iterator[Connection]:
     """A short transaction of its own: commit on success, roll back on error.
 
-    Failing to connect, or losing the connection inside the block, raises
-    :class:`DatabaseUnreachableError`. ``read_only`` only matters on SQLite, where it begins a
+    Failing to connect, BEGIN or COMMIT raise the :func:`database_error` of the failure
+    (:class:`DatabaseUnreachableError` when the connection is lost or cannot be made); an
+    error raised inside the block propagates unchanged, except a lost connection
+    (:class:`DatabaseUnreachableError`). ``read_only`` only matters on SQLite, where it begins a
     deferred transaction that does not wait for (or block) writers. ``connection``: run it on
     this open connection (not in a transaction) instead of one from the pool; it stays open.
     """
     if connection is not None:
-        try:
-            with connection.begin():
-                yield connection
-        except sa.exc.DBAPIError as exc:
-            if exc.connection_invalidated:
-                raise unreachable_error(engine.url, exc) from exc
-            raise
+        with _in_transaction(connection, engine.url) as conn:
+            yield conn
         return
     try:
         conn = engine.connect()
-    except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
-        raise unreachable_error(engine.url, exc) from exc
+    except sa.exc.SQLAlchemyError as exc:
+        raise database_error(exc, engine.url) from exc
     with conn:
         if read_only and engine.dialect.name == "sqlite":
             conn.execution_options(**{SQLITE_BEGIN_OPTION: "DEFERRED"})
-        try:
-            with conn.begin():
-                yield conn
-        except sa.exc.DBAPIError as exc:
-            if exc.connection_invalidated:
-                raise unreachable_error(engine.url, exc) from exc
-            raise
+        with _in_transaction(conn, engine.url) as inner:
+            yield inner
 
 
 def migrations_dir() -> Path:

@@ -33,14 +33,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
-from dualwrite.database import transaction
+from dualwrite.database import database_error, transaction
 from dualwrite.errors import (
     BatchInDoubtError,
     FatalError,
     InvalidPreparedStateError,
     LockTimeoutError,
     MigrationRequiredError,
-    RetriableError,
     TransactionStateError,
 )
 from dualwrite.prepared_state import PreparedTxnState
@@ -73,8 +72,6 @@ def check_sink_id(sink_id: str) -> str:
     return sink_id
 
 
-_LOCK_NOT_AVAILABLE = "55P03"
-_RETRY_STATES = ("40001", "40P01")  # serialization failure, deadlock: nothing was written
 
 
 
@@ -201,19 +198,17 @@ class DecisionLog:
             f"the batch-sink tables are missing ({exc.orig}); run `dualwrite db upgrade --db URL`")
 
     def _typed(self, exc: sa.exc.DBAPIError, sink_id: str | None) -> Exception:
-        """The :mod:`dualwrite.errors` exception for a database error of the decision log."""
-        what = f"sink {sink_id!r}: " if sink_id else ""
-        state = getattr(exc.orig, "sqlstate", None)
+        """The :mod:`dualwrite.errors` exception for a database error of the decision log
+        (:func:`~dualwrite.database.database_error`, with the sink named)."""
         if _missing_table(exc):
             return self._migration_error(exc)
-        if state == _LOCK_NOT_AVAILABLE or "database is locked" in str(exc.orig).lower():
+        typed = database_error(exc, self.engine.url)
+        what = f"sink {sink_id!r}: " if sink_id else ""
+        if isinstance(typed, LockTimeoutError):
             return LockTimeoutError(
                 f"{what}the decision lock stayed held by another process (the sink's driver "
-                f"or `dualwrite recover`) past the lock timeout ({exc.orig}); retry")
-        if state in _RETRY_STATES:
-            return RetriableError(f"{what}the decision log transaction failed ({exc.orig}); "
-                                  "nothing was written, retry")
-        return FatalError(f"{what}the decision log transaction failed: {exc.orig}")
+                f"or `dualwrite recover`) past the lock timeout ({typed}); retry")
+        return type(typed)(f"{what}the decision log transaction failed: {typed}")
 
     def read(self, sink_id: str) -> SinkRecord | None:
         found = self.read_all([sink_id])

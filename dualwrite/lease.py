@@ -29,7 +29,7 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
-from dualwrite.database import unreachable_error
+from dualwrite.database import database_error, unreachable_error
 from dualwrite.errors import FatalError
 
 __all__ = ["HeldLeases", "Lease", "Leases"]
@@ -143,7 +143,7 @@ class Leases:
                 conn.commit()  # session-level locks outlive the transaction
             except sa.exc.DBAPIError as exc:
                 conn.invalidate()
-                raise unreachable_error(engine.url, exc) from exc
+                raise database_error(exc, engine.url) from exc
             try:
                 yield HeldLeases(held, conn)
             finally:

@@ -25,7 +25,7 @@ from sqlalchemy import Connection, Engine
 
 from dualwrite.completion import committed_at_anchor
 from dualwrite.control_plane import TopicPartition
-from dualwrite.database import create_engine
+from dualwrite.database import create_engine, database_error
 from dualwrite.errors import (
     DatabaseUnreachableError,
     DualWriteError,
@@ -115,6 +115,16 @@ class DualWriter:
     ``linger.ms`` defaults to 0 (unless ``kafka_config`` sets it): the records travel while the
     rows are written. The writer keeps one database connection between transactions (see
     :func:`~dualwrite.state_store.writer_connection`); :meth:`close` closes it.
+
+    Errors: what goes wrong in dualwrite's own work (its lock, state row, COMMIT, the question
+    after a failed COMMIT, its claim, Kafka) reaches the application as a
+    :class:`~dualwrite.errors.DualWriteError` (chained from the driver's exception), grouped by
+    what to do next (:func:`dualwrite.database.database_error`): e.g. a lost connection or a
+    restarting server is :class:`~dualwrite.errors.DatabaseUnreachableError`, a serialization
+    failure or deadlock :class:`~dualwrite.errors.TransactionConflictError`; the writer itself
+    stays usable and the next :meth:`transaction` reconnects. An exception raised by the
+    application's own statements inside the block (its ``IntegrityError``, say) is the
+    application's: it propagates unchanged, after both sides were rolled back.
     """
 
     def __init__(self, engine: Engine | str, kafka_config: Mapping[str, Any], *,
@@ -125,7 +135,12 @@ class DualWriter:
         if verify not in ("auto", "always"):
             raise ValueError(f"verify must be 'auto' or 'always', not {verify!r}")
         self._verify_mode = verify
-        self._engine = create_engine(engine) if isinstance(engine, str) else engine
+        try:
+            self._engine = create_engine(engine) if isinstance(engine, str) else engine
+        except (sa.exc.ArgumentError, ValueError) as exc:  # the text may show the password
+            raise FatalError("DualWriter: the database URL (not shown: it may hold a password) "
+                             "is not valid, or its driver is not installed "
+                             f"({type(exc).__name__})") from None
         config = dict(kafka_config)
         if "linger.ms" not in config and "queue.buffering.max.ms" not in config:
             # Records leave at once, in flight while the block writes its rows; librdkafka's
@@ -212,7 +227,10 @@ class DualWriter:
             log.error("heuristic abort, calling the re-publish hook: %s", exc)
             self._hook(exc, conn)
             self._store.write(conn, self._tid, "")
-            conn.commit()
+            try:
+                conn.commit()
+            except sa.exc.SQLAlchemyError as failed:
+                raise database_error(failed, self._engine.url) from failed
             log.warning("transactional_id=%s: the re-publish of state=%s is committed and the "
                         "loss acknowledged", self._tid, stored)
             return True
@@ -232,7 +250,10 @@ class DualWriter:
     def _take_lease(self, conn: Connection) -> bool:
         """Take this id's lease if free (on ``conn``'s session on PostgreSQL); True if held."""
         if self._lease is None and self._leases.supported:
-            self._lease = self._leases.try_acquire(conn, self._tid)
+            try:
+                self._lease = self._leases.try_acquire(conn, self._tid)
+            except sa.exc.SQLAlchemyError as exc:
+                raise database_error(exc, self._engine.url) from exc
             if self._lease is not None:
                 log.info("transactional_id=%s: lease taken; later transactions lock the state "
                          "row after their first record", self._tid)
@@ -240,7 +261,12 @@ class DualWriter:
 
     @contextmanager
     def transaction(self) -> Iterator[DualWriteTransaction]:
-        """One atomic unit: rows written with ``tx.connection`` and records from ``tx.produce``."""
+        """One atomic unit: rows written with ``tx.connection`` and records from ``tx.produce``.
+
+        Failures of dualwrite's own statements raise :class:`~dualwrite.errors.DualWriteError`
+        subclasses; an exception of the application's own statements in the block propagates
+        unchanged (see the class docstring).
+        """
         if self._producer is not None and self._producer.has_open_transaction:
             # The last transaction could not be ended (its abort or commit failed): a new
             # session finishes it from the stored state, as after a restart.
@@ -369,7 +395,7 @@ class DualWriter:
 
     def _claim(self) -> None:
         self._generation = None
-        self._claimed = self._store.claim([self._tid])[self._tid]
+        self._claimed = self._store.claim([self._tid], timeout_s=self._timeout_s)[self._tid]
 
     def _lock_and_settle(self, producer: TwoPhaseProducer, *, claim: bool = False) -> Connection:
         """Lock first, make sure the id is still this writer's claim, finish what is in doubt.
@@ -416,13 +442,16 @@ class DualWriter:
                 self._conn = writer_connection(self._engine)
             conn = self._conn
             try:
-                conn.begin()
+                try:
+                    conn.begin()
+                except sa.exc.SQLAlchemyError as exc:
+                    raise database_error(exc, self._engine.url) from exc
                 row = self._store.lock_row(conn, self._tid, timeout_s=self._timeout_s)
                 self._locked_xid = row.locked_by_xid
                 return conn, row
             except BaseException as exc:
                 self._drop_connection()
-                lost = isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated
+                lost = isinstance(exc, DatabaseUnreachableError)
                 if attempt == 2 or not lost:
                     raise
                 log.info("database connection of transactional_id=%s was lost while idle; "
@@ -471,14 +500,18 @@ class DualWriter:
         except TransactionStateError:
             self._abort_quietly(producer)  # the database committed without this decision
             raise
-        except sa.exc.DBAPIError as exc:
+        except (DualWriteError, sa.exc.SQLAlchemyError) as exc:
+            # StateStore raises the translated error (chained from the driver's); a raw one
+            # comes from ``conn.commit()``.
             log.warning("database COMMIT of transactional_id=%s state=%s failed (%s); asking the "
                         "database for the outcome", self._tid, state, exc.__class__.__name__)
             xid = self._locked_xid
             self._drop_connection()  # a failed pipeline can leave the row locked until then
             if not self._database_committed(state, xid):
                 self._abort_quietly(producer)
-                raise
+                if isinstance(exc, DualWriteError):
+                    raise
+                raise database_error(exc, self._engine.url) from exc
             log.warning("the database did commit transactional_id=%s state=%s", self._tid, state)
         producer.commit_transaction()
 

@@ -35,13 +35,8 @@ import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 from sqlalchemy.dialects import postgresql, sqlite
 
-from dualwrite.database import STATE_TABLE, transaction, upgrade_command, uses_begin_immediate
-from dualwrite.errors import (
-    FatalError,
-    LockTimeoutError,
-    MigrationRequiredError,
-    TransactionStateError,
-)
+from dualwrite.database import STATE_TABLE, database_error, transaction, uses_begin_immediate
+from dualwrite.errors import FatalError, TransactionStateError
 
 __all__ = ["MAX_LENGTH", "StateRow", "StateStore", "writer_connection"]
 
@@ -82,9 +77,6 @@ def _check(name: str, value: str, *, allow_empty: bool) -> None:
         )
 
 
-_LOCK_NOT_AVAILABLE = "55P03"
-
-
 def _lock_timeout_sql(timeout_s: float) -> str:
     """Bounds this transaction's waits for locks (PostgreSQL's lock_timeout, in ms)."""
     return f"SET LOCAL lock_timeout = {max(1, int(timeout_s * 1000))}"
@@ -93,15 +85,6 @@ def _lock_timeout_sql(timeout_s: float) -> str:
 def _utc(value: datetime) -> datetime:
     """SQLite returns naive datetimes; dualwrite always stores UTC."""
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-
-
-def _is_missing_schema(exc: sa.exc.DBAPIError) -> bool:
-    """The table, or a column a later migration added, does not exist."""
-    orig = exc.orig
-    if getattr(orig, "sqlstate", None) in ("42P01", "42703"):  # undefined table / column
-        return True
-    text = str(orig).lower()
-    return any(s in text for s in ("no such table", "no such column", "has no column named"))
 
 
 def _state_row(row: Any) -> StateRow:
@@ -133,11 +116,19 @@ def writer_connection(engine: Engine) -> Connection:
     driver's autocommit mode: ``lock()`` then sends the BEGIN in the same round trip as the
     upsert, which psycopg's own BEGIN would not allow. Other drivers get a plain connection.
     """
-    conn = engine.connect()
+    try:
+        conn = engine.connect()
+    except sa.exc.SQLAlchemyError as exc:
+        raise database_error(exc, engine.url) from exc
     raw = _psycopg_connection(conn)
     if raw is not None:
         conn.detach()
-        raw.autocommit = True
+        try:
+            with _as_sqlalchemy_errors(conn, raw, "SET autocommit"):
+                raw.autocommit = True
+        except sa.exc.SQLAlchemyError as exc:
+            conn.close()
+            raise database_error(exc, engine.url) from exc
     return conn
 
 
@@ -248,7 +239,7 @@ class StateStore:
                 conn.execute(self._insert_missing(conn, tid))
                 query = sa.select(*self._columns).where(t.c.transactional_id == tid)
                 found = conn.execute(query).one()
-        except sa.exc.DBAPIError as exc:
+        except sa.exc.SQLAlchemyError as exc:
             self._reraise(conn, exc)
         row = _state_row(found)
         logger.debug("locked transactional id %r, stored state %r, fencing generation %d", tid,
@@ -270,7 +261,7 @@ class StateStore:
             query = query.with_for_update()  # rows are locked as the sorted scan returns them
         try:
             found = {r[0]: _state_row(r) for r in conn.execute(query)} if ids else {}
-        except sa.exc.DBAPIError as exc:
+        except sa.exc.SQLAlchemyError as exc:
             self._reraise(conn, exc)
         for tid in ids:
             if tid not in found:
@@ -290,7 +281,7 @@ class StateStore:
         )
         try:
             result = conn.execute(stmt)
-        except sa.exc.DBAPIError as exc:
+        except sa.exc.SQLAlchemyError as exc:
             self._reraise(conn, exc)
         if result.rowcount != 1:
             raise TransactionStateError(
@@ -309,7 +300,10 @@ class StateStore:
         raw = _psycopg_connection(conn)
         if raw is None:
             self.write(conn, transactional_id, state)
-            conn.commit()
+            try:
+                conn.commit()
+            except sa.exc.SQLAlchemyError as exc:
+                self._reraise(conn, exc)
             return
         _check("transactional_id", transactional_id, allow_empty=False)
         _check("state", state, allow_empty=True)
@@ -321,7 +315,7 @@ class StateStore:
                                          (state, datetime.now(UTC), transactional_id))
                     raw.execute("COMMIT")
                 written = cursor.rowcount
-        except sa.exc.DBAPIError as exc:
+        except sa.exc.SQLAlchemyError as exc:
             self._reraise(conn, exc)
         conn.commit()  # SQLAlchemy's bookkeeping; the driver has nothing left to commit
         if written != 1:
@@ -374,12 +368,13 @@ class StateStore:
         with transaction(self.engine, read_only=True) as conn:
             try:
                 rows = conn.execute(query).all()
-            except sa.exc.DBAPIError as exc:
+            except sa.exc.SQLAlchemyError as exc:
                 self._reraise(conn, exc)
         return [_state_row(r) for r in rows]
 
     def claim(self, transactional_ids: Sequence[str], *,
-              connection: Connection | None = None) -> dict[str, int]:
+              connection: Connection | None = None,
+              timeout_s: float | None = None) -> dict[str, int]:
         """Raise the fencing generation of each id (creating missing rows) and commit.
 
         Call this before ending or fencing any Kafka transaction of these ids, then act only in a
@@ -387,6 +382,8 @@ class StateStore:
         A writer whose records left before its lock was granted then sees a generation other
         than its own whenever someone may have acted on its transaction meanwhile.
         ``connection``: an open connection to use (outside a transaction) instead of the pool's.
+        ``timeout_s`` bounds the wait for a holder of a row lock on PostgreSQL (SQLite's busy
+        timeout bounds it there): :class:`~dualwrite.errors.LockTimeoutError` after that.
         """
         ids = sorted(set(transactional_ids))  # one lock order for every locker: no deadlocks
         for tid in ids:
@@ -405,8 +402,10 @@ class StateStore:
                 set_={"fencing_generation": t.c.fencing_generation + 1},
             ).returning(t.c.transactional_id, t.c.fencing_generation)
             try:
+                if timeout_s is not None and conn.dialect.name == "postgresql":
+                    conn.exec_driver_sql(_lock_timeout_sql(timeout_s))
                 claimed = {r[0]: int(r[1]) for r in conn.execute(stmt)}
-            except sa.exc.DBAPIError as exc:
+            except sa.exc.SQLAlchemyError as exc:
                 self._reraise(conn, exc)
         logger.debug("claimed %s", claimed)
         return claimed
@@ -422,7 +421,7 @@ class StateStore:
             try:
                 found = conn.execute(sa.text("SELECT txid_status(:xid)"), {"xid": xid})
                 status: str | None = found.scalar_one()
-            except sa.exc.DBAPIError as exc:
+            except sa.exc.SQLAlchemyError as exc:
                 self._reraise(conn, exc)
         return status
 
@@ -446,7 +445,7 @@ class StateStore:
                 if expected == "":
                     conn.execute(self._insert_missing(conn, transactional_id))
                 swapped = conn.execute(stmt).rowcount == 1
-            except sa.exc.DBAPIError as exc:
+            except sa.exc.SQLAlchemyError as exc:
                 self._reraise(conn, exc)
         logger.debug(
             "compare_and_set %r: %r -> %r %s",
@@ -466,7 +465,7 @@ class StateStore:
                 deleted = conn.execute(
                     sa.delete(t).where(t.c.transactional_id == transactional_id)
                 ).rowcount
-            except sa.exc.DBAPIError as exc:
+            except sa.exc.SQLAlchemyError as exc:
                 self._reraise(conn, exc)
         return deleted == 1
 
@@ -483,19 +482,6 @@ class StateStore:
             return postgresql.insert(self.table).values(values).on_conflict_do_nothing()
         return sqlite.insert(self.table).values(values).on_conflict_do_nothing()
 
-    def _reraise(self, conn: Connection, exc: sa.exc.DBAPIError) -> NoReturn:
-        if getattr(exc.orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE:
-            raise LockTimeoutError(
-                f"the {self.table.name} row is locked by another process (a writer of the same "
-                "transactional id, or recovery) for longer than the lock timeout; retry") from exc
-        if _is_missing_schema(exc):
-            if self.table.name == STATE_TABLE:
-                how = (f"Create or upgrade it with: {upgrade_command(conn.engine.url)} (or, if "
-                       "the application's own migrations made it, see docs/sql.md)")
-            else:
-                how = "Create or alter it in the application's own migrations (see docs/sql.md)."
-            raise MigrationRequiredError(
-                f"the dualwrite state table {self.table.name!r} does not exist or lacks a column "
-                f"of this dualwrite version ({exc.orig}). {how}"
-            ) from exc
-        raise exc
+    def _reraise(self, conn: Connection, exc: sa.exc.SQLAlchemyError) -> NoReturn:
+        """Raise the :func:`~dualwrite.database.database_error` of ``exc`` (chained)."""
+        raise database_error(exc, conn.engine.url, table=self.table.name) from exc

@@ -19,6 +19,7 @@ import sqlalchemy as sa
 import dualwrite
 from dualwrite import (
     BrokerUnreachableError,
+    DatabaseUnreachableError,
     DualWriter,
     HeuristicAbortError,
     MigrationRequiredError,
@@ -286,9 +287,12 @@ def test_connection_killed_before_commit_resolves_by_asking_db(
         real(self, conn, tid, state)
 
     monkeypatch.setattr(StateStore, "write_and_commit", kill_then_write_and_commit)
-    with pytest.raises(sa.exc.DBAPIError) as failed:
+    # Issue 10: the application gets the typed error (chained from the driver's), not the raw
+    # sa.exc.DBAPIError that used to escape.
+    with pytest.raises(DatabaseUnreachableError) as failed:
         write(writer, topic, ["lost-1", "lost-2"])
-    assert killed and failed.value.connection_invalidated
+    cause = failed.value.__cause__
+    assert killed and isinstance(cause, sa.exc.DBAPIError) and cause.connection_invalidated
     monkeypatch.undo()
     # The writer carries on with a new connection.
     write(writer, topic, ["next"])
