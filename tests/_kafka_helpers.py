@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -30,6 +31,7 @@ __all__ = [
     "TxnProducer",
     "create_topic",
     "first_offsets",
+    "in_thread",
     "raw_init_producer_id_v6",
     "read_committed",
     "unique",
@@ -66,6 +68,22 @@ def prepare_open(bootstrap: str, topic: str, tid: str, values: list[str], *,
 def unique(prefix: str) -> str:
     """A name no other test (or earlier run against the same broker) uses."""
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def in_thread(fn: Callable[..., Any], *args: Any
+              ) -> tuple[threading.Thread, list[BaseException]]:
+    """Run ``fn(*args)`` in a started thread; the list collects what it raised."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, errors
 
 
 def wait_for(

@@ -18,7 +18,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -34,26 +34,17 @@ from dualwrite.errors import (
     OutcomeUnknownError,
     RecoverableError,
 )
+from tests import test_batch_coordinator
 from tests._kafka_helpers import read_committed, unique
 from tests.test_batch_coordinator import encoded, open_in_pool, prepare
 
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture
-def kconf(bootstrap: str) -> dict[str, Any]:
-    return {"bootstrap.servers": bootstrap}
-
-
-@pytest.fixture
-def cp(kconf: dict[str, Any]) -> Iterator[ControlPlane]:
-    with ControlPlane(kconf, timeout_s=20) as plane:
-        yield plane
-
-
-@pytest.fixture
-def sink() -> str:
-    return unique("sink")
+# The batch coordinator tests' fixtures: the client config, a control plane, a fresh sink id.
+kconf = test_batch_coordinator.kconf
+cp = test_batch_coordinator.cp
+sink = test_batch_coordinator.sink
 
 
 def values(batch: int, partition: int) -> list[str]:

@@ -30,7 +30,7 @@ from dualwrite import (
 from dualwrite.completion import Completion, complete
 from dualwrite.control_plane import ControlPlane
 from dualwrite.database import normalize_url
-from tests._kafka_helpers import closed_port, read_committed, unique, wait_for
+from tests._kafka_helpers import closed_port, in_thread, read_committed, unique, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -535,17 +535,7 @@ def test_lock_waits_for_the_first_record_once_the_session_is_established(
 def _write_while_the_lock_is_held(writer: DualWriter, topic: str, value: str
                                   ) -> tuple[threading.Thread, list[BaseException]]:
     """Start a produce-first dual write in a thread; its lock waits for whoever holds it."""
-    errors: list[BaseException] = []
-
-    def body() -> None:
-        try:
-            write_produce_first(writer, topic, value)
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=body)
-    thread.start()
-    return thread, errors
+    return in_thread(write_produce_first, writer, topic, value)
 
 
 def test_recovery_acting_before_the_lock_is_granted_makes_the_writer_start_over(

@@ -32,7 +32,7 @@ from dualwrite import (
 )
 from dualwrite.control_plane import ControlPlane
 from tests import test_recipe
-from tests._kafka_helpers import read_committed, unique, wait_for
+from tests._kafka_helpers import in_thread, read_committed, unique, wait_for
 from tests.test_recipe import (
     _backend_pid,
     _heuristic_state,
@@ -102,20 +102,6 @@ class _Window:
         monkeypatch.setattr(ControlPlane, "end_transaction", delayed_end)
 
 
-def _in_thread(fn: Any, *args: Any) -> tuple[threading.Thread, list[BaseException]]:
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fn(*args)
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, errors
-
-
 # -- 1. nobody ends a live writer's transaction by (producer id, epoch) ---------------------
 
 
@@ -136,7 +122,7 @@ def test_recovery_leaves_a_live_writer_alone_whatever_the_delays(
         write_produce_first(writer, topic, "t1")  # held between its two commits
         write_produce_first(writer, topic, "t2")
 
-    thread, errors = _in_thread(two_writes)
+    thread, errors = in_thread(two_writes)
     assert window.at_gate.wait(20)
     report = dualwrite.recover(engine, {"bootstrap.servers": bootstrap}, [tid], timeout_s=20)
     window.gate.set()
@@ -206,11 +192,11 @@ def test_a_second_writer_leaves_the_live_writers_transaction_to_it(
         write_produce_first(first, topic, "t1")
         write_produce_first(first, topic, "t2")
 
-    thread, first_errors = _in_thread(first_writes)
+    thread, first_errors = in_thread(first_writes)
     assert window.at_gate.wait(20)
     second_engine = dualwrite.create_engine(db_url)
     second = writers(second_engine, tid)
-    second_thread, second_errors = _in_thread(write_produce_first, second, topic, "s1")
+    second_thread, second_errors = in_thread(write_produce_first, second, topic, "s1")
     time.sleep(1.5)  # the second writer is waiting for the first one's commit
     window.gate.set()
     second_thread.join(60)
@@ -241,7 +227,7 @@ def test_records_committed_by_recovery_after_the_lease_was_lost_are_reported(
         write_produce_first(writer, topic, "t1")
         write_produce_first(writer, topic, "t2")
 
-    thread, errors = _in_thread(two_writes)
+    thread, errors = in_thread(two_writes)
     assert window.at_gate.wait(20)
     assert writer._conn is not None
     _kill_backend(db_url, _backend_pid(writer._conn))  # the lease goes with the session

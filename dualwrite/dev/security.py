@@ -128,9 +128,18 @@ def application_acls(
     return acls
 
 
+# confluent_kafka.admin re-exports its ACL and SCRAM classes as its public names, without an
+# __all__ that tells mypy so: hence the ignores on these imports.
+
+
 def _binding(acl: Acl) -> Any:
-    from confluent_kafka.admin._acl import AclBinding, AclOperation, AclPermissionType
-    from confluent_kafka.admin._resource import ResourcePatternType, ResourceType
+    from confluent_kafka.admin import (  # type: ignore[attr-defined]
+        AclBinding,
+        AclOperation,
+        AclPermissionType,
+        ResourcePatternType,
+        ResourceType,
+    )
 
     return AclBinding(
         # librdkafka calls Kafka's CLUSTER resource type (code 4) BROKER.
@@ -153,49 +162,42 @@ def create_acls(admin_bootstrap: str, acls: Iterable[Acl], timeout: float = 30.0
 
     Returns once the broker's authorizer lists them (DescribeAcls), so they are in force.
     """
+    _change_acls(admin_bootstrap, acls, timeout, create=True)
+
+
+def delete_acls(admin_bootstrap: str, acls: Iterable[Acl], timeout: float = 30.0) -> None:
+    """Delete exactly these ACLs; returns once the authorizer no longer lists them."""
+    _change_acls(admin_bootstrap, acls, timeout, create=False)
+
+
+def _change_acls(admin_bootstrap: str, acls: Iterable[Acl], timeout: float, *,
+                 create: bool) -> None:
     bindings = [_binding(a) for a in acls]
     if not bindings:
         return
     admin = _admin(admin_bootstrap)  # keep the handle alive until the futures resolve
-    for binding, future in admin.create_acls(bindings, request_timeout=timeout).items():
+    if create:
+        futures = admin.create_acls(bindings, request_timeout=timeout)
+    else:
+        futures = admin.delete_acls([_as_filter(b) for b in bindings], request_timeout=timeout)
+    verb = "create" if create else "delete"
+    for binding, future in futures.items():
         try:
             future.result(timeout)
         except Exception as exc:
-            raise DevClusterError(f"cannot create ACL {binding}: {exc}") from exc
-    _wait_for_acls(admin, bindings, present=True, timeout=timeout)
-
-
-def _wait_for_acls(admin: Any, bindings: list[Any], *, present: bool, timeout: float) -> None:
+            raise DevClusterError(f"cannot {verb} ACL {binding}: {exc}") from exc
     deadline = time.monotonic() + timeout
     for binding in bindings:
         query = _as_filter(binding)
-        while True:
-            found = admin.describe_acls(query, request_timeout=timeout).result(timeout)
-            if bool(found) == present:
-                break
+        while bool(admin.describe_acls(query, request_timeout=timeout).result(timeout)) != create:
             if time.monotonic() > deadline:
-                raise DevClusterError(f"ACL {binding} not {'in' if present else 'out of'} "
+                raise DevClusterError(f"ACL {binding} not {'in' if create else 'out of'} "
                                       f"force after {timeout:.0f} s")
             time.sleep(0.1)
 
 
-def delete_acls(admin_bootstrap: str, acls: Iterable[Acl], timeout: float = 30.0) -> None:
-    """Delete exactly these ACLs."""
-    bindings = [_binding(a) for a in acls]
-    if not bindings:
-        return
-    admin = _admin(admin_bootstrap)
-    filters = [_as_filter(b) for b in bindings]
-    for binding, future in admin.delete_acls(filters, request_timeout=timeout).items():
-        try:
-            future.result(timeout)
-        except Exception as exc:
-            raise DevClusterError(f"cannot delete ACL {binding}: {exc}") from exc
-    _wait_for_acls(admin, bindings, present=False, timeout=timeout)
-
-
 def _as_filter(binding: Any) -> Any:
-    from confluent_kafka.admin._acl import AclBindingFilter
+    from confluent_kafka.admin import AclBindingFilter  # type: ignore[attr-defined]
 
     return AclBindingFilter(binding.restype, binding.name, binding.resource_pattern_type,
                             binding.principal, binding.host, binding.operation,
@@ -205,7 +207,7 @@ def _as_filter(binding: Any) -> Any:
 def upsert_scram_users(admin_bootstrap: str, users: Iterable[ScramUser],
                        timeout: float = 30.0) -> None:
     """Create (or reset the password of) SCRAM-SHA-512 users (AlterUserScramCredentials)."""
-    from confluent_kafka.admin._scram import (
+    from confluent_kafka.admin import (  # type: ignore[attr-defined]
         ScramCredentialInfo,
         ScramMechanism,
         UserScramCredentialUpsertion,
