@@ -17,8 +17,6 @@ was decided before and is skipped when Spark replays it.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import logging
 import os
 import re
@@ -27,7 +25,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -42,6 +39,7 @@ from dualwrite.errors import (
     MigrationRequiredError,
     TransactionStateError,
 )
+from dualwrite.lease import advisory_keys, lock_folder, try_file_lock
 from dualwrite.prepared_state import PreparedTxnState
 
 __all__ = [
@@ -70,17 +68,6 @@ def check_sink_id(sink_id: str) -> str:
         raise ValueError(f"sink id {sink_id!r} must be 1-{MAX_SINK_ID} characters of "
                          "[A-Za-z0-9._-]")
     return sink_id
-
-
-
-
-
-
-def _lock_keys(sink_id: str) -> tuple[int, int]:
-    """The two int4 keys of a sink's decision lock (PostgreSQL advisory lock, two-key space)."""
-    digest = hashlib.sha256(b"dualwrite-sink\0" + sink_id.encode()).digest()
-    return (int.from_bytes(digest[:4], "big", signed=True),
-            int.from_bytes(digest[4:8], "big", signed=True))
 
 
 @dataclass(frozen=True)
@@ -149,13 +136,8 @@ class DecisionLog:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._lock_dir: Path | None = None
+        self._lock_dir = lock_folder(engine, ".dualwrite-sinks")
         """SQLite file: where the sinks' decision-lock files live (see :meth:`_file_lock`)."""
-        if engine.dialect.name == "sqlite":
-            database = engine.url.database
-            if database and database != ":memory:" and not database.startswith("file:"):
-                db = Path(database).resolve()
-                self._lock_dir = db.with_name(db.name + ".dualwrite-sinks")
 
     @contextmanager
     def _file_lock(self, sink_id: str, timeout_s: float) -> Iterator[None]:
@@ -168,27 +150,14 @@ class DecisionLog:
         when the process dies.
         """
         assert self._lock_dir is not None
-        name = hashlib.sha256(sink_id.encode()).hexdigest()[:32] + ".lock"
+        deadline = time.monotonic() + timeout_s
+        while (fd := try_file_lock(self._lock_dir, sink_id)) is None:
+            if time.monotonic() >= deadline:
+                raise LockTimeoutError(
+                    f"sink {sink_id!r}: the decision lock stayed held by another process (the "
+                    f"sink's driver or `dualwrite recover`) for {timeout_s:g} s; retry")
+            time.sleep(0.02)
         try:
-            self._lock_dir.mkdir(exist_ok=True)
-            fd = os.open(self._lock_dir / name, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise FatalError(f"cannot use the lock folder {self._lock_dir} beside the SQLite "
-                             f"database ({exc.strerror}); dualwrite needs to create files "
-                             "there") from exc
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise LockTimeoutError(
-                            f"sink {sink_id!r}: the decision lock stayed held by another "
-                            f"process (the sink's driver or `dualwrite recover`) for {timeout_s:g}"
-                            " s; retry") from None
-                    time.sleep(0.02)
             yield
         finally:
             os.close(fd)  # releases the lock
@@ -370,7 +339,7 @@ class DecisionLog:
         :meth:`_file_lock` instead.
         """
         if conn.dialect.name == "postgresql":
-            k1, k2 = _lock_keys(sink_id)
+            k1, k2 = advisory_keys(b"dualwrite-sink", sink_id)
             conn.exec_driver_sql(f"SET LOCAL lock_timeout = {max(1, int(timeout_s * 1000))}")
             conn.execute(sa.select(sa.func.pg_advisory_xact_lock(k1, k2)))
         return self._last(conn, sink_id)

@@ -32,14 +32,45 @@ from sqlalchemy import Connection, Engine
 from dualwrite.database import database_error, unreachable_error
 from dualwrite.errors import FatalError
 
-__all__ = ["HeldLeases", "Lease", "Leases"]
+__all__ = ["HeldLeases", "Lease", "Leases", "advisory_keys", "lock_folder", "try_file_lock"]
 
 
-def _advisory_keys(transactional_id: str) -> tuple[int, int]:
-    """The two int4 keys of an id's advisory lock (the two-key space, apart from bigint keys)."""
-    digest = hashlib.sha256(b"dualwrite-lease\0" + transactional_id.encode()).digest()
+def advisory_keys(namespace: bytes, name: str) -> tuple[int, int]:
+    """The two int4 keys of a PostgreSQL advisory lock on ``name`` within ``namespace`` (the
+    two-key space, apart from the applications' usual bigint keys)."""
+    digest = hashlib.sha256(namespace + b"\0" + name.encode()).digest()
     return (int.from_bytes(digest[:4], "big", signed=True),
             int.from_bytes(digest[4:8], "big", signed=True))
+
+
+def lock_folder(engine: Engine, suffix: str) -> Path | None:
+    """The folder beside an SQLite database file for its lock files (``<db><suffix>``); None
+    for another database or an in-memory one (one process: nothing to lock against)."""
+    if engine.dialect.name != "sqlite":
+        return None
+    database = engine.url.database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    db = Path(database).resolve()
+    return db.with_name(db.name + suffix)
+
+
+def try_file_lock(folder: Path, name: str) -> int | None:
+    """Take an exclusive ``flock`` on the file for ``name`` in ``folder`` without waiting; its
+    descriptor (closing it releases the lock, so does the process's death), or None if held."""
+    try:
+        folder.mkdir(exist_ok=True)
+        fd = os.open(folder / (hashlib.sha256(name.encode()).hexdigest()[:32] + ".lock"),
+                     os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise FatalError(f"cannot use the lock folder {folder} beside the SQLite database "
+                         f"({exc.strerror}); dualwrite needs to create files there") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 class Lease:
@@ -82,12 +113,7 @@ class Leases:
 
     def __init__(self, engine: Engine) -> None:
         self._dialect = engine.dialect.name
-        self._dir: Path | None = None
-        if self._dialect == "sqlite":
-            database = engine.url.database
-            if database and database != ":memory:" and not database.startswith("file:"):
-                db = Path(database).resolve()
-                self._dir = db.with_name(db.name + ".dualwrite-leases")
+        self._dir = lock_folder(engine, ".dualwrite-leases")
 
     @property
     def supported(self) -> bool:
@@ -107,7 +133,7 @@ class Leases:
         if not ids or not self.supported:
             return {}
         if self._dialect == "postgresql":
-            keys = {tid: _advisory_keys(tid) for tid in ids}
+            keys = {tid: advisory_keys(b"dualwrite-lease", tid) for tid in ids}
             columns = ", ".join(f"pg_try_advisory_lock({k1}, {k2})" for k1, k2 in keys.values())
             got = conn.exec_driver_sql(f"SELECT {columns}").one()
             return {tid: Lease(tid, conn=conn) for tid, ok in zip(ids, got, strict=True) if ok}
@@ -157,20 +183,12 @@ class Leases:
         assert self._dir is not None
         taken: dict[str, Lease] = {}
         try:
-            self._dir.mkdir(exist_ok=True)
             for tid in ids:
-                name = hashlib.sha256(tid.encode()).hexdigest()[:32] + ".lock"
-                fd = os.open(self._dir / name, os.O_RDWR | os.O_CREAT, 0o644)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    os.close(fd)
-                    continue
-                taken[tid] = Lease(tid, fd=fd)
-        except OSError as exc:
+                fd = try_file_lock(self._dir, tid)
+                if fd is not None:
+                    taken[tid] = Lease(tid, fd=fd)
+        except FatalError:
             for lease in taken.values():
                 lease.release()
-            raise FatalError(f"cannot use the lease folder {self._dir} beside the SQLite "
-                             f"database ({exc.strerror}); dualwrite needs to create files "
-                             "there") from exc
+            raise
         return taken

@@ -267,15 +267,10 @@ def _backend_pid(conn: sa.Connection) -> int:
     return int(conn.connection.dbapi_connection.info.backend_pid)  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
-def test_connection_killed_before_commit_resolves_by_asking_db(
-        writers: Any, engine: sa.Engine, bootstrap: str, topic: str, db_url: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """pg_terminate_backend of the writer's own session right before the state row and COMMIT
-    (one pipelined round trip) go out: they fail, the writer asks the database (which did not
-    commit) and aborts Kafka: neither side."""
-    writer = writers(engine, unique("recipe-kill"))
-    write(writer, topic, ["kept"])
+def kill_session_before_the_decision(monkeypatch: pytest.MonkeyPatch, db_url: str
+                                     ) -> list[int]:
+    """Make the next state-row write and COMMIT (one pipelined round trip) go out on a session
+    that pg_terminate_backend has just ended; returns the killed backend's pid, once it ran."""
     real = StateStore.write_and_commit
     killed: list[int] = []
 
@@ -287,6 +282,19 @@ def test_connection_killed_before_commit_resolves_by_asking_db(
         real(self, conn, tid, state)
 
     monkeypatch.setattr(StateStore, "write_and_commit", kill_then_write_and_commit)
+    return killed
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_connection_killed_before_commit_resolves_by_asking_db(
+        writers: Any, engine: sa.Engine, bootstrap: str, topic: str, db_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """pg_terminate_backend of the writer's own session right before the state row and COMMIT
+    (one pipelined round trip) go out: they fail, the writer asks the database (which did not
+    commit) and aborts Kafka: neither side."""
+    writer = writers(engine, unique("recipe-kill"))
+    write(writer, topic, ["kept"])
+    killed = kill_session_before_the_decision(monkeypatch, db_url)
     # Issue 10: the application gets the typed error (chained from the driver's), not the raw
     # sa.exc.DBAPIError that used to escape.
     with pytest.raises(DatabaseUnreachableError) as failed:

@@ -38,6 +38,7 @@ from tests.test_recipe import (
     _heuristic_state,
     _kill_backend,
     assert_invariant,
+    kill_session_before_the_decision,
     rows,
     write,
     write_produce_first,
@@ -319,17 +320,7 @@ def test_a_lost_commit_of_an_empty_block_is_not_taken_for_committed(
     writer = writers(engine, unique("lost-empty"))
     with writer.transaction() as tx:  # rows only: the stored state stays ""
         tx.connection.execute(sa.text("INSERT INTO app_rows (value) VALUES ('kept')"))
-    real = StateStore.write_and_commit
-    killed: list[int] = []
-
-    def kill_then_write_and_commit(self: StateStore, conn: sa.Connection, tid: str,
-                                   state: str) -> None:
-        if not killed:
-            killed.append(_backend_pid(conn))
-            _kill_backend(db_url, killed[0])
-        real(self, conn, tid, state)
-
-    monkeypatch.setattr(StateStore, "write_and_commit", kill_then_write_and_commit)
+    killed = kill_session_before_the_decision(monkeypatch, db_url)
     with pytest.raises((sa.exc.DBAPIError, dualwrite.DualWriteError)), \
             writer.transaction() as tx:
         tx.connection.execute(sa.text("INSERT INTO app_rows (value) VALUES ('ghost')"))
