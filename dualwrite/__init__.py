@@ -1,18 +1,14 @@
 """dualwrite: atomic writes to a SQL database and Apache Kafka (KIP-939 on today's brokers).
 
-The public surface is re-exported here; modules not listed in ``__all__`` are internal.
+What an application and an operator use is re-exported here. The roles of the two-phase commit
+live in subpackages with their own ``__all__`` (see docs/architecture.md): ``participant``
+(the Kafka side), ``writer``, ``batch``, ``recovery``, ``database``, ``spark`` and ``dev``.
 """
 
-from dualwrite.completion import Completion
-from dualwrite.control_plane import (
-    ControlPlane,
-    ProbeResult,
-    TopicPartition,
-    TransactionDescription,
-    TxnState,
-)
 from dualwrite.database import check_schema, create_engine, upgrade_database
 from dualwrite.errors import (
+    BatchHeuristicAbortError,
+    BatchInDoubtError,
     BrokerUnreachableError,
     DatabaseUnreachableError,
     DualWriteError,
@@ -21,6 +17,7 @@ from dualwrite.errors import (
     HeuristicCommitError,
     HeuristicOutcomeError,
     InvalidPreparedStateError,
+    KafkaErrorInfo,
     KafkaProtocolError,
     LockTimeoutError,
     MigrationRequiredError,
@@ -32,18 +29,25 @@ from dualwrite.errors import (
     TransactionConflictError,
     TransactionStateError,
 )
-from dualwrite.prepared_state import PreparedTxnState
-from dualwrite.producer import TwoPhaseProducer
-from dualwrite.recipe import DualWriter, DualWriteTransaction
-from dualwrite.recovery import Outcome, RecoveryReport, StatusReport, recover, status
-from dualwrite.state_store import StateRow, StateStore
+from dualwrite.participant import PreparedTxnState, TwoPhaseProducer
+from dualwrite.recovery import (
+    Outcome,
+    RecoveryReport,
+    RecoveryResult,
+    SinkRecoveryResult,
+    SinkStatus,
+    StatusReport,
+    recover,
+    status,
+)
+from dualwrite.writer import DualWriter, DualWriteTransaction
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchHeuristicAbortError",
+    "BatchInDoubtError",
     "BrokerUnreachableError",
-    "Completion",
-    "ControlPlane",
     "DatabaseUnreachableError",
     "DualWriteError",
     "DualWriteTransaction",
@@ -53,6 +57,7 @@ __all__ = [
     "HeuristicCommitError",
     "HeuristicOutcomeError",
     "InvalidPreparedStateError",
+    "KafkaErrorInfo",
     "KafkaProtocolError",
     "LockTimeoutError",
     "MigrationRequiredError",
@@ -60,20 +65,17 @@ __all__ = [
     "OutcomeUnknownError",
     "OutcomeUnreadableError",
     "PreparedTxnState",
-    "ProbeResult",
     "ProducerFencedError",
     "RecoverableError",
     "RecoveryReport",
+    "RecoveryResult",
     "RetriableError",
-    "StateRow",
-    "StateStore",
+    "SinkRecoveryResult",
+    "SinkStatus",
     "StatusReport",
-    "TopicPartition",
     "TransactionConflictError",
-    "TransactionDescription",
     "TransactionStateError",
     "TwoPhaseProducer",
-    "TxnState",
     "__version__",
     "check_schema",
     "create_engine",

@@ -24,17 +24,17 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from dualwrite.client_config import load_properties
-from dualwrite.control_plane import ControlPlane, TransactionDescription
+from dualwrite.batch.decision_log import check_sink_id
 from dualwrite.database import create_engine, mask_url, upgrade_database
-from dualwrite.decision_log import check_sink_id
 from dualwrite.errors import (
     BrokerUnreachableError,
     DatabaseUnreachableError,
     DualWriteError,
     HeuristicOutcomeError,
 )
-from dualwrite.recovery import RecoveryResult, SinkRecoveryResult, recover, status
+from dualwrite.participant.client_config import load_properties
+from dualwrite.participant.control_plane import ControlPlane, TransactionDescription
+from dualwrite.recovery.resolver import RecoveryResult, SinkRecoveryResult, recover, status
 
 EXIT_OK = 0
 EXIT_ERROR = 1

@@ -25,6 +25,7 @@ __all__ = [
     "HeuristicCommitError",
     "HeuristicOutcomeError",
     "InvalidPreparedStateError",
+    "KafkaErrorInfo",
     "KafkaProtocolError",
     "LockTimeoutError",
     "MigrationRequiredError",

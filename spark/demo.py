@@ -30,8 +30,8 @@ from pathlib import Path
 import sqlalchemy as sa
 
 import dualwrite as dw
+from dualwrite.batch.decision_log import DecisionLog
 from dualwrite.database import mask_url
-from dualwrite.decision_log import DecisionLog
 from dualwrite.dev import read_committed
 
 HERE = Path(__file__).resolve().parent

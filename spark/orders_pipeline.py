@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
     from pyspark.sql.streaming.query import StreamingQuery
 
-    from dualwrite.batch_coordinator import BatchTimings
+    from dualwrite.batch.coordinator import BatchTimings
     from dualwrite.spark import ExactlyOnceSink
 
 DEFAULT_DB = "sqlite:///dualwrite-demo.db"
@@ -222,7 +222,7 @@ def check_checkpoint(config: PipelineConfig) -> None:
     if commits.is_dir() and any(commits.iterdir()):
         return
     import dualwrite as dw
-    from dualwrite.decision_log import DecisionLog
+    from dualwrite.batch.decision_log import DecisionLog
 
     engine = dw.create_engine(config.db)
     try:
@@ -235,7 +235,7 @@ def check_checkpoint(config: PipelineConfig) -> None:
             f"sink {config.sink_id!r} decided batches up to {record.last_batch_id} in "
             f"{config.db}, but the checkpoint {config.checkpoint} is new: its batches would be "
             "skipped as replays. Use the old checkpoint, another --sink-id, or drop the sink's "
-            "record (dualwrite.decision_log.DecisionLog(engine).forget(sink_id)).")
+            "record (dualwrite.batch.decision_log.DecisionLog(engine).forget(sink_id)).")
 
 
 # -- the query ---------------------------------------------------------------------------------

@@ -324,7 +324,7 @@ def raw_init_producer_id_v6(
     from kafka.errors import KafkaConnectionError, KafkaError
     from kafka.protocol.metadata import CoordinatorType, FindCoordinatorRequest
 
-    from dualwrite._kafka_python_seam import KafkaLink, init_producer_id_request
+    from dualwrite.participant._kafka_python_seam import KafkaLink, init_producer_id_request
 
     link = KafkaLink(
         bootstrap_servers=bootstrap,

@@ -26,7 +26,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import Connection
 
-from dualwrite import DualWriter, StateStore, TwoPhaseProducer, TxnState, create_engine
+from dualwrite import DualWriter, TwoPhaseProducer, create_engine
+from dualwrite.participant import TxnState
+from dualwrite.writer import StateStore
 
 POINTS = (
     "after-begin",

@@ -26,17 +26,12 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 
 import dualwrite
-from dualwrite import (
-    ControlPlane,
-    DualWriter,
-    PreparedTxnState,
-    StateStore,
-    TopicPartition,
-    TxnState,
-)
-from dualwrite.completion import Completion, committed_at_anchor, complete
+from dualwrite import DualWriter, PreparedTxnState
 from dualwrite.errors import HeuristicAbortError, HeuristicOutcomeError, OutcomeUnreadableError
-from dualwrite.prepared_state import Anchor, topic_digest
+from dualwrite.participant import ControlPlane, TopicPartition, TxnState
+from dualwrite.participant.completion import Completion, committed_at_anchor, complete
+from dualwrite.participant.prepared_state import Anchor, topic_digest
+from dualwrite.writer import StateStore
 from tests._kafka_helpers import prepare_open, unique, wait_for
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,10 +16,11 @@ import pytest
 import sqlalchemy as sa
 
 import dualwrite
-from dualwrite import ControlPlane, Outcome, RetriableError, TwoPhaseProducer, TxnState
-from dualwrite.batch_coordinator import BatchCoordinator, transactional_id
-from dualwrite.decision_log import DecisionLog, Participant, StagingTable
+from dualwrite import Outcome, RetriableError, TwoPhaseProducer
+from dualwrite.batch.coordinator import BatchCoordinator, transactional_id
+from dualwrite.batch.decision_log import DecisionLog, Participant, StagingTable
 from dualwrite.errors import BatchHeuristicAbortError
+from dualwrite.participant import ControlPlane, TxnState
 from tests._kafka_helpers import read_committed, unique
 
 pytestmark = pytest.mark.timeout(180)
@@ -380,7 +381,7 @@ def test_recover_and_status_without_the_batch_tables(empty_db_url: str, kconf: d
     recovery and status still work."""
     engine = dualwrite.create_engine(empty_db_url)
     try:
-        dualwrite.StateStore(engine).table.metadata.create_all(engine)
+        dualwrite.writer.StateStore(engine).table.metadata.create_all(engine)
         assert not DecisionLog(engine).has_tables()
         tid = unique("old-schema")
         p = TwoPhaseProducer({"bootstrap.servers": bootstrap, "transactional.id": tid,
@@ -391,7 +392,7 @@ def test_recover_and_status_without_the_batch_tables(empty_db_url: str, kconf: d
         p.produce(topic, b"old")
         state = p.prepare_transaction()
         p.close()
-        assert dualwrite.StateStore(engine).compare_and_set(tid, "", str(state))
+        assert dualwrite.writer.StateStore(engine).compare_and_set(tid, "", str(state))
         report = dualwrite.recover(engine, kconf, timeout_s=20)
         assert report.ok and report.sinks == ()
         assert [(r.transactional_id, r.outcome) for r in report.results] == [

@@ -25,15 +25,16 @@ import pytest
 import sqlalchemy as sa
 
 import dualwrite
-from dualwrite import ControlPlane, Outcome, RetriableError
-from dualwrite.batch_coordinator import BatchCoordinator
-from dualwrite.decision_log import DecisionLog, Participant
+from dualwrite import Outcome, RetriableError
+from dualwrite.batch.coordinator import BatchCoordinator
+from dualwrite.batch.decision_log import DecisionLog, Participant
 from dualwrite.errors import (
     BrokerUnreachableError,
     DualWriteError,
     OutcomeUnknownError,
     RecoverableError,
 )
+from dualwrite.participant import ControlPlane
 from tests import test_batch_coordinator
 from tests._kafka_helpers import read_committed, unique
 from tests.test_batch_coordinator import encoded, open_in_pool, prepare

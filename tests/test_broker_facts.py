@@ -24,8 +24,9 @@ from _kafka_helpers import (
 )
 from kafka.errors import KafkaConnectionError
 
-from dualwrite.control_plane import ControlPlane, TopicPartition, TransactionDescription, TxnState
-from dualwrite.kafka_errors import FatalKafkaError, FencedKafkaError
+from dualwrite.participant.control_plane import ControlPlane, TransactionDescription, TxnState
+from dualwrite.participant.identifiers import TopicPartition
+from dualwrite.participant.kafka_errors import FatalKafkaError, FencedKafkaError
 
 pytestmark = pytest.mark.timeout(120)
 

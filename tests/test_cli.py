@@ -17,9 +17,11 @@ from typing import Any
 import pytest
 
 import dualwrite
-from dualwrite import ControlPlane, StateStore, TwoPhaseProducer, TxnState
-from dualwrite.batch_coordinator import BatchCoordinator
-from dualwrite.decision_log import DecisionLog, Participant
+from dualwrite import TwoPhaseProducer
+from dualwrite.batch.coordinator import BatchCoordinator
+from dualwrite.batch.decision_log import DecisionLog, Participant
+from dualwrite.participant import ControlPlane, TxnState
+from dualwrite.writer import StateStore
 from tests._kafka_helpers import closed_port, prepare_open, read_committed, unique, wait_for
 
 pytestmark = pytest.mark.timeout(120)

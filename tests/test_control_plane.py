@@ -1,5 +1,5 @@
-"""dualwrite.control_plane against real brokers: Apache Kafka 4.3.1 (``kafka``) and 3.9.x
-(``kafka39``), plus the KIP-939 requests on a 4.3.1 broker with 2PC enabled (``kafka_2pc``).
+"""dualwrite.participant.control_plane against real brokers: Apache Kafka 4.3.1 (``kafka``) and
+3.9.x (``kafka39``), plus the KIP-939 requests on a 4.3.1 broker with 2PC enabled (``kafka_2pc``).
 
 Transactions are opened with confluent-kafka (librdkafka, the data path) and then inspected or
 finished through the control plane, as dualwrite's recovery does.
@@ -23,9 +23,10 @@ from _kafka_helpers import (
 )
 from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 
-from dualwrite.control_plane import ControlPlane, TopicPartition, TxnState
 from dualwrite.errors import BrokerUnreachableError
-from dualwrite.kafka_errors import FatalKafkaError, FencedKafkaError
+from dualwrite.participant.control_plane import ControlPlane, TxnState
+from dualwrite.participant.identifiers import TopicPartition
+from dualwrite.participant.kafka_errors import FatalKafkaError, FencedKafkaError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -37,7 +37,8 @@ import sqlalchemy as sa
 from confluent_kafka import Consumer, KafkaError
 from confluent_kafka import TopicPartition as CKTopicPartition
 
-from dualwrite import ControlPlane, TxnState, create_engine, upgrade_database
+from dualwrite import create_engine, upgrade_database
+from dualwrite.participant import ControlPlane, TxnState
 from tests.crash_worker import POINTS, row_ids
 
 WORKER = Path(__file__).with_name("crash_worker.py")
@@ -383,7 +384,7 @@ def test_crash_in_first_transaction_of_new_id(point: str, pg_db_url: str,
 
 # `dualwrite recover` with a sabotaged control plane: every EndTxn aborts, whatever was asked.
 ABORTING_RECOVER = """
-import dualwrite.control_plane as cp
+import dualwrite.participant.control_plane as cp
 end = cp.ControlPlane.end_transaction
 cp.ControlPlane.end_transaction = lambda self, tid, pid, epoch, commit: end(
     self, tid, pid, epoch, commit=False)

@@ -26,11 +26,12 @@ import pytest
 import sqlalchemy as sa
 
 import dualwrite
-from dualwrite import DatabaseUnreachableError, DualWriter, LockTimeoutError, StateStore
+from dualwrite import DatabaseUnreachableError, DualWriter, LockTimeoutError
 from dualwrite.database import database_error, normalize_url
 from dualwrite.dev import LocalPostgres
 from dualwrite.dev.postgres_cluster import _server_user, find_postgres_bindir
 from dualwrite.errors import FatalError, MigrationRequiredError, TransactionConflictError
+from dualwrite.writer import StateStore
 from tests import test_recipe
 from tests._kafka_helpers import unique
 from tests.test_recipe import _backend_pid, _kill_backend, assert_invariant, rows, write
@@ -162,7 +163,7 @@ def test_session_terminated_before_the_lock(
     killed: list[int] = []
 
     def kill_then_lock(self: StateStore, conn: sa.Connection, tid: str,
-                       **kw: Any) -> dualwrite.StateRow:
+                       **kw: Any) -> dualwrite.writer.StateRow:
         killed.append(_backend_pid(conn))
         _kill_backend(db_url, killed[-1])
         return real(self, conn, tid, **kw)
@@ -230,7 +231,7 @@ def test_session_terminated_while_idle_and_its_replacement_too(
     held = writer._conn
     assert held is not None
     _kill_backend(db_url, _backend_pid(held))
-    import dualwrite.recipe as recipe
+    import dualwrite.writer.dual_writer as recipe
     real_connect = recipe.writer_connection
     replaced: list[int] = []
 

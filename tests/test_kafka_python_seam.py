@@ -1,7 +1,6 @@
-"""dualwrite._kafka_python_seam: the pinned kafka-python range, and every seam function against a
-real broker, so that a kafka-python upgrade that renames or reshapes what the control plane relies
-on fails here, loudly, and not during a recovery.
-"""
+"""dualwrite.participant._kafka_python_seam: the pinned kafka-python range, and every seam function
+against a real broker, so that a kafka-python upgrade that renames or reshapes what the control
+plane relies on fails here, loudly, and not during a recovery. """
 
 from __future__ import annotations
 
@@ -19,10 +18,10 @@ from kafka import KafkaAdminClient
 from kafka.protocol.admin.transactions import DescribeTransactionsRequest
 from kafka.protocol.metadata import ApiVersionsRequest, CoordinatorType, FindCoordinatorRequest
 
-import dualwrite._kafka_python_seam as seam
+import dualwrite.participant._kafka_python_seam as seam
 from dualwrite.errors import FatalError
-from dualwrite.kafka_errors import raise_for_code
-from dualwrite.prepared_state import PreparedTxnState
+from dualwrite.participant.kafka_errors import raise_for_code
+from dualwrite.participant.prepared_state import PreparedTxnState
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,9 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dualwrite import InvalidPreparedStateError, PreparedTxnState
-from dualwrite.control_plane import TopicPartition
 from dualwrite.errors import FatalError
-from dualwrite.prepared_state import MAX_STATE_LENGTH, Anchor, topic_digest
+from dualwrite.participant.identifiers import TopicPartition
+from dualwrite.participant.prepared_state import MAX_STATE_LENGTH, Anchor, topic_digest
 
 TOPIC_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-"
 INT64_MAX = 2**63 - 1

@@ -16,16 +16,13 @@ from typing import Any
 import pytest
 
 from dualwrite import (
-    Completion,
-    ControlPlane,
     HeuristicAbortError,
     PreparedTxnState,
     ProducerFencedError,
-    TopicPartition,
     TransactionStateError,
     TwoPhaseProducer,
-    TxnState,
 )
+from dualwrite.participant import Completion, ControlPlane, TopicPartition, TxnState
 from tests._kafka_helpers import read_committed, unique, wait_for
 
 pytestmark = pytest.mark.timeout(90)

@@ -24,12 +24,12 @@ from dualwrite import (
     HeuristicAbortError,
     MigrationRequiredError,
     ProducerFencedError,
-    StateStore,
-    TxnState,
 )
-from dualwrite.completion import Completion, complete
-from dualwrite.control_plane import ControlPlane
 from dualwrite.database import normalize_url
+from dualwrite.participant import TxnState
+from dualwrite.participant.completion import Completion, complete
+from dualwrite.participant.control_plane import ControlPlane
+from dualwrite.writer import StateStore
 from tests._kafka_helpers import closed_port, in_thread, read_committed, unique, wait_for
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,13 +13,9 @@ import pytest
 import sqlalchemy as sa
 
 import dualwrite
-from dualwrite import (
-    ControlPlane,
-    Outcome,
-    PreparedTxnState,
-    StateStore,
-    TxnState,
-)
+from dualwrite import Outcome, PreparedTxnState
+from dualwrite.participant import ControlPlane, TxnState
+from dualwrite.writer import StateStore
 from tests._kafka_helpers import prepare_open, read_committed, unique, wait_for
 
 pytestmark = pytest.mark.timeout(120)

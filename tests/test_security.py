@@ -25,13 +25,15 @@ import pytest
 import sqlalchemy as sa
 
 import dualwrite
-from dualwrite import ControlPlane, DualWriter, StateStore, TwoPhaseProducer
-from dualwrite.client_config import Secret, kafka_python_config
-from dualwrite.control_plane import TopicPartition
+from dualwrite import DualWriter, TwoPhaseProducer
 from dualwrite.dev import LocalKafkaCluster
 from dualwrite.dev.security import Acl, ScramUser, application_acls, write_properties_file
 from dualwrite.errors import DualWriteError, FatalError
-from dualwrite.kafka_errors import AuthorizationError, required_acl
+from dualwrite.participant import ControlPlane
+from dualwrite.participant.client_config import Secret, kafka_python_config
+from dualwrite.participant.identifiers import TopicPartition
+from dualwrite.participant.kafka_errors import AuthorizationError, required_acl
+from dualwrite.writer import StateStore
 from tests._kafka_helpers import read_committed, unique
 
 pytestmark = pytest.mark.timeout(240)
@@ -321,7 +323,7 @@ def test_missing_describe_configs_is_warned_and_shortens_the_timeout(
     (and is aborted by the broker if recovery takes longer), so the control plane warns."""
     app = _app(kafka_secured, secured_topic, drop="DESCRIBE_CONFIGS CLUSTER")
     with ControlPlane(app.config, timeout_s=10) as cp:
-        with caplog.at_level(logging.WARNING, logger="dualwrite.control_plane"):
+        with caplog.at_level(logging.WARNING, logger="dualwrite.participant.control_plane"):
             assert cp.probe(check_2pc=False).max_transaction_timeout_ms is None
         assert "grant DESCRIBE_CONFIGS on Cluster 'kafka-cluster'" in caplog.text
         p = TwoPhaseProducer({**app.config, "transactional.id": f"{app.prefix}-t"},
@@ -415,7 +417,7 @@ def test_dev_up_security_sasl(tmp_path: Path) -> None:
         props = Path(next(line.split(": ", 1)[1] for line in up.stdout.splitlines()
                           if "client properties for User:dualwrite-app" in line))
         assert stat.S_IMODE(props.stat().st_mode) == 0o600
-        settings = dualwrite.client_config.load_properties(str(props))
+        settings = dualwrite.participant.client_config.load_properties(str(props))
         assert settings["security.protocol"] == "SASL_SSL"
         assert settings["sasl.mechanism"] == "SCRAM-SHA-512"
         assert Path(settings["ssl.ca.location"]).read_text().startswith("-----BEGIN CERT")
@@ -460,7 +462,7 @@ _SPARK_SCRIPT = textwrap.dedent('''
     import os, sys
     os.environ["PYSPARK_PYTHON"] = sys.executable
     from pyspark.sql import SparkSession
-    from dualwrite.client_config import load_properties
+    from dualwrite.participant.client_config import load_properties
     from dualwrite.spark import ExactlyOnceSink
     props, db, topic, sink_id = sys.argv[1:5]
     spark = (SparkSession.builder.master("local[2]").appName(sink_id)

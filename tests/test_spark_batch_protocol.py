@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dualwrite.control_plane import ControlPlane
-from dualwrite.decision_log import DecisionLog
+from dualwrite.batch.decision_log import DecisionLog
+from dualwrite.participant.control_plane import ControlPlane
 from tests._kafka_helpers import read_committed, unique
 from tests.test_batch_coordinator import encoded, open_in_pool, prepare
 from tests.test_spark_sink import Pipeline, batches, pipeline  # noqa: F401 (fixture)

@@ -28,8 +28,8 @@ import pytest
 import sqlalchemy as sa
 
 import dualwrite
-from dualwrite.control_plane import ControlPlane, TxnState
-from dualwrite.decision_log import DecisionLog
+from dualwrite.batch.decision_log import DecisionLog
+from dualwrite.participant.control_plane import ControlPlane, TxnState
 from tests._kafka_helpers import read_committed
 from tests._spark_helpers import StandaloneSpark
 

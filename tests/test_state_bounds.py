@@ -10,7 +10,8 @@ import pytest
 import sqlalchemy as sa
 
 import dualwrite
-from dualwrite import InvalidPreparedStateError, Outcome, PreparedTxnState, StateStore
+from dualwrite import InvalidPreparedStateError, Outcome, PreparedTxnState
+from dualwrite.writer import StateStore
 from tests._kafka_helpers import prepare_open, read_committed, unique
 
 pytestmark = pytest.mark.timeout(120)

@@ -35,7 +35,7 @@ from dualwrite.errors import (
     MigrationRequiredError,
     TransactionStateError,
 )
-from dualwrite.state_store import MAX_LENGTH, StateRow, StateStore, writer_connection
+from dualwrite.writer.state_store import MAX_LENGTH, StateRow, StateStore, writer_connection
 
 #: The newest schema revision (0003 added the fencing generation).
 HEAD = "0003"

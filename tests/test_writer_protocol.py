@@ -26,11 +26,11 @@ from dualwrite import (
     HeuristicAbortError,
     PreparedTxnState,
     ProducerFencedError,
-    StateStore,
     TwoPhaseProducer,
-    TxnState,
 )
-from dualwrite.control_plane import ControlPlane
+from dualwrite.participant import TxnState
+from dualwrite.participant.control_plane import ControlPlane
+from dualwrite.writer import StateStore
 from tests import test_recipe
 from tests._kafka_helpers import in_thread, read_committed, unique, wait_for
 from tests.test_recipe import (

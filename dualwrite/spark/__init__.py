@@ -4,7 +4,7 @@
 each micro-batch to a Kafka topic (and optionally a SQL table) exactly once; see spark/README.md.
 """
 
-from dualwrite.batch_coordinator import BatchTimings, SinkRecovery
+from dualwrite.batch.coordinator import BatchTimings, SinkRecovery
 from dualwrite.spark._sink import DEFAULT_DATABASE_URL, ExactlyOnceSink
 
 __all__ = ["DEFAULT_DATABASE_URL", "BatchTimings", "ExactlyOnceSink", "SinkRecovery"]

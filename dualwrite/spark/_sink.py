@@ -11,12 +11,12 @@ from typing import Any
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from dualwrite.batch_coordinator import BatchCoordinator, BatchTimings, SinkRecovery
-from dualwrite.control_plane import ControlPlane
+from dualwrite.batch.coordinator import BatchCoordinator, BatchTimings, SinkRecovery
+from dualwrite.batch.decision_log import Participant, StagingTable, check_sink_id
 from dualwrite.database import create_engine, mask_url, upgrade_database
-from dualwrite.decision_log import Participant, StagingTable, check_sink_id
 from dualwrite.errors import DualWriteError, FatalError, RetriableError
-from dualwrite.prepared_state import PreparedTxnState
+from dualwrite.participant.control_plane import ControlPlane
+from dualwrite.participant.prepared_state import PreparedTxnState
 from dualwrite.spark import _faults
 from dualwrite.spark._task import KEY, RESULT_SCHEMA, VALUE, TaskPlan, write_partition
 

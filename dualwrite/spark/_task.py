@@ -19,11 +19,11 @@ import pyarrow as pa
 from pyspark import TaskContext
 from sqlalchemy import Engine, make_url
 
-from dualwrite.batch_coordinator import transactional_id
-from dualwrite.control_plane import ControlPlane
+from dualwrite.batch.coordinator import transactional_id
+from dualwrite.batch.decision_log import StagingTable
 from dualwrite.database import create_engine, mask_url
-from dualwrite.decision_log import StagingTable
-from dualwrite.producer import TwoPhaseProducer
+from dualwrite.participant.control_plane import ControlPlane
+from dualwrite.participant.producer import TwoPhaseProducer
 from dualwrite.spark import _faults
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ transaction per non-empty partition (the participants) and prepare it; the drive
 
 1. verifies that every participant is still open under the producer id and epoch it prepared
    with (a late zombie attempt could have re-initialised the id and aborted it);
-2. records the decision with :class:`~dualwrite.decision_log.DecisionLog` (one database
+2. records the decision with :class:`~dualwrite.batch.decision_log.DecisionLog` (one database
    transaction, which also publishes the batch's staged rows);
 3. commits every participant by (producer id, epoch) in parallel, from this process;
 4. marks the batch completed and aborts every other open transaction of the sink (losing task
@@ -32,15 +32,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Engine
 
-from dualwrite.completion import (
-    Completion,
-    complete,
-    end_open_transaction,
-    names_open_transaction,
-    prefetch,
-)
-from dualwrite.control_plane import ControlPlane, TxnState
-from dualwrite.decision_log import (
+from dualwrite.batch.decision_log import (
     DecisionLog,
     Participant,
     SinkRecord,
@@ -57,7 +49,15 @@ from dualwrite.errors import (
     RecoverableError,
     RetriableError,
 )
-from dualwrite.prepared_state import PreparedTxnState
+from dualwrite.participant.completion import (
+    Completion,
+    complete,
+    end_open_transaction,
+    names_open_transaction,
+    prefetch,
+)
+from dualwrite.participant.control_plane import ControlPlane, TxnState
+from dualwrite.participant.prepared_state import PreparedTxnState
 
 __all__ = ["BatchCoordinator", "BatchTimings", "SinkRecovery", "transactional_id"]
 

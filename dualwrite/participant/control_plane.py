@@ -4,8 +4,8 @@ librdkafka (confluent-kafka) is dualwrite's data path. It cannot describe or lis
 describe producers, end a transaction by (producer id, epoch) from another process, or send
 InitProducerId v6. This module does exactly those with kafka-python 3: its public admin API where
 that gives what dualwrite needs, else its generated protocol classes sent through
-:mod:`dualwrite._kafka_python_seam`, the one module that depends on kafka-python's networking
-layer. No wire format is written by hand here.
+:mod:`dualwrite.participant._kafka_python_seam`, the one module that depends on kafka-python's
+networking layer. No wire format is written by hand here.
 """
 
 from __future__ import annotations
@@ -28,15 +28,20 @@ from kafka.protocol.metadata import (
     MetadataRequest,
 )
 
-from dualwrite._kafka_python_seam import KafkaLink, end_txn_request, init_producer_id_request
-from dualwrite.client_config import authentication_failure, kafka_python_config
 from dualwrite.errors import (
     BrokerUnreachableError,
     FatalError,
     OutcomeUnknownError,
     RetriableError,
 )
-from dualwrite.kafka_errors import RetriableKafkaError, raise_for_code
+from dualwrite.participant._kafka_python_seam import (
+    KafkaLink,
+    end_txn_request,
+    init_producer_id_request,
+)
+from dualwrite.participant.client_config import authentication_failure, kafka_python_config
+from dualwrite.participant.identifiers import ProducerIdentity, TopicPartition
+from dualwrite.participant.kafka_errors import RetriableKafkaError, raise_for_code
 
 __all__ = [
     "ActiveProducer",
@@ -44,8 +49,6 @@ __all__ = [
     "BrokerProbe",
     "ControlPlane",
     "ProbeResult",
-    "ProducerIdentity",
-    "TopicPartition",
     "TransactionDescription",
     "TransactionListing",
     "TxnState",
@@ -100,21 +103,6 @@ class TxnState(enum.Enum):
         """The coordinator is still working on this transaction (it pins the LSO)."""
         return self in (TxnState.ONGOING, TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT,
                         TxnState.PREPARE_EPOCH_FENCE)
-
-
-@dataclass(frozen=True, order=True)
-class TopicPartition:
-    topic: str
-    partition: int
-
-    def __str__(self) -> str:
-        return f"{self.topic}-{self.partition}"
-
-
-@dataclass(frozen=True)
-class ProducerIdentity:
-    producer_id: int
-    epoch: int
 
 
 @dataclass(frozen=True)
@@ -218,9 +206,10 @@ class ControlPlane:
     retriable.
 
     kafka-python's public admin API serves ListTransactions, DescribeConfigs and the brokers'
-    versions; the rest is sent through :class:`dualwrite._kafka_python_seam.KafkaLink` (see there
-    for why it has no public equivalent). Requests run as coroutines on kafka-python's IO thread,
-    so the caches below are only touched from that one thread.
+    versions; the rest is sent through
+    :class:`dualwrite.participant._kafka_python_seam.KafkaLink` (see there for why it has no
+    public equivalent). Requests run as coroutines on kafka-python's IO thread, so the caches
+    below are only touched from that one thread.
     """
 
     def __init__(self, config: Mapping[str, Any], *, timeout_s: float = 30.0) -> None:

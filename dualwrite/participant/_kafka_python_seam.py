@@ -81,7 +81,8 @@ def check_kafka_python_version(version: str = KAFKA_PYTHON_VERSION) -> None:
         raise UnsupportedKafkaPythonError(
             f"dualwrite's control plane supports kafka-python {SUPPORTED_KAFKA_PYTHON}, found "
             f"{version}: it sends requests through kafka-python's connection manager, whose "
-            "shape is only checked for that range (dualwrite/_kafka_python_seam.py); install "
+            "shape is only checked for that range "
+            "(dualwrite/participant/_kafka_python_seam.py); install "
             f"'kafka-python{SUPPORTED_KAFKA_PYTHON}'")
 
 

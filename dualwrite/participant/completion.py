@@ -24,14 +24,6 @@ from typing import Any
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as CKTopicPartition
 
-from dualwrite.control_plane import (
-    ActiveProducer,
-    ControlPlane,
-    ProducerIdentity,
-    TopicPartition,
-    TransactionDescription,
-    TxnState,
-)
 from dualwrite.errors import (
     FatalError,
     HeuristicAbortError,
@@ -40,8 +32,15 @@ from dualwrite.errors import (
     ProducerFencedError,
     RetriableError,
 )
-from dualwrite.kafka_errors import FatalKafkaError, FencedKafkaError, raise_for_code
-from dualwrite.prepared_state import Anchor, PreparedTxnState
+from dualwrite.participant.control_plane import (
+    ActiveProducer,
+    ControlPlane,
+    TransactionDescription,
+    TxnState,
+)
+from dualwrite.participant.identifiers import ProducerIdentity, TopicPartition
+from dualwrite.participant.kafka_errors import FatalKafkaError, FencedKafkaError, raise_for_code
+from dualwrite.participant.prepared_state import Anchor, PreparedTxnState
 
 __all__ = [
     "Completion",
@@ -170,9 +169,9 @@ def committed_at_anchor(consumer_config: Mapping[str, Any], tp: TopicPartition, 
 OwnerAlive = Callable[[], bool]
 """Asked before committing the named open transaction by (producer id, epoch): True while the
 writer that prepared it may still be running its session (it holds the id's lease, see
-:mod:`dualwrite.lease`). On librdkafka's TV1 path that session reuses the (producer id, epoch)
-for its next transaction, so an EndTxn decided now could land on that one instead: the live
-writer is left to commit its own transaction."""
+:mod:`dualwrite.writer.lease`). On librdkafka's TV1 path that session reuses the (producer
+id, epoch) for its next transaction, so an EndTxn decided now could land on that one instead:
+the live writer is left to commit its own transaction."""
 
 
 def end_open_transaction(cp: ControlPlane, transactional_id: str, state: PreparedTxnState, *,

@@ -15,8 +15,8 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from dualwrite.control_plane import TopicPartition
 from dualwrite.errors import InvalidPreparedStateError
+from dualwrite.participant.identifiers import TopicPartition
 
 __all__ = ["MAX_STATE_LENGTH", "Anchor", "PreparedTxnState"]
 

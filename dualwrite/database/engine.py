@@ -60,6 +60,7 @@ __all__ = [
     "migrations_dir",
     "normalize_url",
     "transaction",
+    "unreachable_error",
     "upgrade_command",
     "upgrade_database",
     "uses_begin_immediate",
@@ -348,7 +349,7 @@ def migrations_dir() -> Path:
         for location in spec.submodule_search_locations:
             if (Path(location) / "env.py").is_file():
                 return Path(location)
-    checkout = Path(__file__).resolve().parent.parent / "migrations"
+    checkout = Path(__file__).resolve().parents[2] / "migrations"
     if (checkout / "env.py").is_file():
         return checkout
     raise MigrationRequiredError(

@@ -5,7 +5,7 @@ stored prepared state is completed (commit the named open transaction, abort any
 earlier commit), and a resolved state is cleared so the next writer starts fast. A heuristic
 outcome (the database committed, Kafka aborted) is reported and left in place until acknowledged.
 
-Batch sinks (the Spark sink, :mod:`dualwrite.batch_coordinator`) keep their decisions in the
+Batch sinks (the Spark sink, :mod:`dualwrite.batch.coordinator`) keep their decisions in the
 decision log instead of the state table: for each sink there, recovery commits the participants of
 a decided but not completed batch and aborts every other open transaction of the sink's id pool,
 exactly as the sink does itself when it starts.
@@ -25,11 +25,9 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
-from dualwrite.batch_coordinator import BatchCoordinator, _pool_pattern
-from dualwrite.completion import Completion, Prefetched, complete, end_open_transaction, prefetch
-from dualwrite.control_plane import ControlPlane, TransactionDescription, TxnState
+from dualwrite.batch.coordinator import BatchCoordinator, _pool_pattern
+from dualwrite.batch.decision_log import DecisionLog, SinkRecord, check_sink_id
 from dualwrite.database import create_engine, transaction
-from dualwrite.decision_log import DecisionLog, SinkRecord, check_sink_id
 from dualwrite.errors import (
     BatchHeuristicAbortError,
     BrokerUnreachableError,
@@ -38,9 +36,17 @@ from dualwrite.errors import (
     HeuristicAbortError,
     OutcomeUnreadableError,
 )
-from dualwrite.lease import Leases
-from dualwrite.prepared_state import PreparedTxnState
-from dualwrite.state_store import StateRow, StateStore
+from dualwrite.participant.completion import (
+    Completion,
+    Prefetched,
+    complete,
+    end_open_transaction,
+    prefetch,
+)
+from dualwrite.participant.control_plane import ControlPlane, TransactionDescription, TxnState
+from dualwrite.participant.prepared_state import PreparedTxnState
+from dualwrite.writer.lease import Leases
+from dualwrite.writer.state_store import StateRow, StateStore
 
 __all__ = [
     "InDoubt",
@@ -100,7 +106,7 @@ class RecoveryResult:
 
 @dataclass(frozen=True)
 class SinkRecoveryResult:
-    """What :func:`recover` did for one batch sink (see :mod:`dualwrite.batch_coordinator`)."""
+    """What :func:`recover` did for one batch sink (see :mod:`dualwrite.batch.coordinator`)."""
 
     sink_id: str
     batch_id: int | None
@@ -182,14 +188,14 @@ def _resolve_chunk(store: StateStore, engine: Engine, cp: ControlPlane,
                    aborted_first: set[str]) -> list[RecoveryResult | None]:
     """Resolve a few ids in one database transaction that holds their state-row locks.
 
-    Only ids whose lease is free are touched (:mod:`dualwrite.lease`): a live writer that holds
-    its lease may begin its next transaction under the same (producer id, epoch) at any moment,
-    where an EndTxn decided here could land; it is left alone, unclaimed, undisturbed. The
-    others are claimed (their fencing generation raised and committed) and acted on only under
-    locks that still show that claim: a writer whose lease lapsed learns from the generation that
-    recovery may have acted. Holding the locks keeps writers of these ids out while the bulk
-    answers are used. The first pass only ends open transactions and returns None for ids whose
-    named transaction must still be checked at its anchor.
+    Only ids whose lease is free are touched (:mod:`dualwrite.writer.lease`): a live writer that
+    holds its lease may begin its next transaction under the same (producer id, epoch) at any
+    moment, where an EndTxn decided here could land; it is left alone, unclaimed, undisturbed. The
+    others are claimed (their fencing generation raised and committed) and acted on only under locks
+    that still show that claim: a writer whose lease lapsed learns from the generation that recovery
+    may have acted. Holding the locks keeps writers of these ids out while the bulk answers are
+    used. The first pass only ends open transactions and returns None for ids whose named
+    transaction must still be checked at its anchor.
     """
     stored: dict[str, str] = {}
     try:

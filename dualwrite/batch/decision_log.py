@@ -30,7 +30,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
-from dualwrite.database import database_error, transaction
+from dualwrite.database import (
+    advisory_keys,
+    database_error,
+    lock_folder,
+    transaction,
+    try_file_lock,
+)
 from dualwrite.errors import (
     BatchInDoubtError,
     FatalError,
@@ -39,8 +45,7 @@ from dualwrite.errors import (
     MigrationRequiredError,
     TransactionStateError,
 )
-from dualwrite.lease import advisory_keys, lock_folder, try_file_lock
-from dualwrite.prepared_state import PreparedTxnState
+from dualwrite.participant.prepared_state import PreparedTxnState
 
 __all__ = [
     "PARTICIPANT_TABLE",

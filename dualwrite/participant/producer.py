@@ -16,8 +16,6 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from dualwrite.completion import Completion, OwnerAlive, complete
-from dualwrite.control_plane import ControlPlane, ProducerIdentity, TopicPartition, TxnState
 from dualwrite.errors import (
     DualWriteError,
     FatalError,
@@ -29,7 +27,10 @@ from dualwrite.errors import (
     RetriableError,
     TransactionStateError,
 )
-from dualwrite.prepared_state import PreparedTxnState
+from dualwrite.participant.completion import Completion, OwnerAlive, complete
+from dualwrite.participant.control_plane import ControlPlane, TxnState
+from dualwrite.participant.identifiers import ProducerIdentity, TopicPartition
+from dualwrite.participant.prepared_state import PreparedTxnState
 
 __all__ = ["TwoPhaseProducer"]
 
@@ -234,7 +235,8 @@ class TwoPhaseProducer:
         ``state`` is what the database holds (the decision). If the named transaction already
         committed this is a no-op; if Kafka aborted it, :class:`HeuristicAbortError` is raised.
         ``owner_alive``: True while the producer that prepared it may still be running (then it
-        is left to commit its own transaction; see :func:`dualwrite.completion.complete`).
+        is left to commit its own transaction; see
+        :func:`dualwrite.participant.completion.complete`).
         """
         if isinstance(state, str):
             state = PreparedTxnState.parse(state)

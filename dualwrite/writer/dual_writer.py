@@ -4,8 +4,8 @@ Per transaction: lock the state row; finish whatever the stored state says is in
 Kafka transaction; the application writes rows and produces records; prepare; write the new state
 in the same database transaction; **the database commit is the decision**; commit Kafka.
 
-Once a writer's session is established and it holds its id's lease (:mod:`dualwrite.lease`), the
-lock waits for the block's first record or first use of the database: a record produced first is
+Once a writer's session is established and it holds its id's lease (:mod:`dualwrite.writer.lease`),
+the lock waits for the block's first record or first use of the database: a record produced first is
 on its way while the lock is taken, and the row's fencing generation, read under the lock, tells
 whether anyone could have ended or fenced its transaction meanwhile (then it starts over; see
 "Claims" and "Leases" in docs/design.md).
@@ -23,8 +23,6 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
-from dualwrite.completion import committed_at_anchor
-from dualwrite.control_plane import TopicPartition
 from dualwrite.database import create_engine, database_error
 from dualwrite.errors import (
     DatabaseUnreachableError,
@@ -37,10 +35,12 @@ from dualwrite.errors import (
     RetriableError,
     TransactionStateError,
 )
-from dualwrite.lease import Lease, Leases
-from dualwrite.prepared_state import PreparedTxnState
-from dualwrite.producer import Headers, TwoPhaseProducer
-from dualwrite.state_store import StateRow, StateStore, writer_connection
+from dualwrite.participant.completion import committed_at_anchor
+from dualwrite.participant.identifiers import TopicPartition
+from dualwrite.participant.prepared_state import PreparedTxnState
+from dualwrite.participant.producer import Headers, TwoPhaseProducer
+from dualwrite.writer.lease import Lease, Leases
+from dualwrite.writer.state_store import StateRow, StateStore, writer_connection
 
 __all__ = ["DualWriteTransaction", "DualWriter"]
 
@@ -114,7 +114,7 @@ class DualWriter:
 
     ``linger.ms`` defaults to 0 (unless ``kafka_config`` sets it): the records travel while the
     rows are written. The writer keeps one database connection between transactions (see
-    :func:`~dualwrite.state_store.writer_connection`); :meth:`close` closes it.
+    :func:`~dualwrite.writer.state_store.writer_connection`); :meth:`close` closes it.
 
     Errors: what goes wrong in dualwrite's own work (its lock, state row, COMMIT, the question
     after a failed COMMIT, its claim, Kafka) reaches the application as a

@@ -1,0 +1,53 @@
+"""The database side of every dual write: engines, the one failure translation, schema, locks.
+
+Everything that talks to the application's database goes through here: ``create_engine`` (the
+settings dualwrite relies on), ``transaction`` and ``database_error`` (the one place SQLAlchemy,
+psycopg and sqlite3 failures become dualwrite errors), the migrations, and the cross-process
+locks the writer leases and the batch sinks share.
+"""
+
+from dualwrite.database.engine import (
+    MIGRATION_LOCK_KEY,
+    SQLITE_BEGIN_OPTION,
+    STATE_TABLE,
+    VERSION_TABLE,
+    check_schema,
+    create_engine,
+    current_revision,
+    database_error,
+    head_revision,
+    is_missing_schema,
+    mask_url,
+    migrations_dir,
+    normalize_url,
+    transaction,
+    unreachable_error,
+    upgrade_command,
+    upgrade_database,
+    uses_begin_immediate,
+)
+from dualwrite.database.locks import advisory_keys, lock_folder, try_file_lock
+
+__all__ = [
+    "MIGRATION_LOCK_KEY",
+    "SQLITE_BEGIN_OPTION",
+    "STATE_TABLE",
+    "VERSION_TABLE",
+    "advisory_keys",
+    "check_schema",
+    "create_engine",
+    "current_revision",
+    "database_error",
+    "head_revision",
+    "is_missing_schema",
+    "lock_folder",
+    "mask_url",
+    "migrations_dir",
+    "normalize_url",
+    "transaction",
+    "try_file_lock",
+    "unreachable_error",
+    "upgrade_command",
+    "upgrade_database",
+    "uses_begin_immediate",
+]

@@ -1,0 +1,57 @@
+"""Cross-process locks beside the database: PostgreSQL advisory-lock keys and SQLite lock files.
+
+Writer leases (``dualwrite.writer.lease``) and the batch sinks' decision lock
+(``dualwrite.batch.decision_log``) both lock a name for as long as a process lives; these are the
+primitives they share, so that both use the same keys, folders and file names.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+from pathlib import Path
+
+from sqlalchemy import Engine
+
+from dualwrite.errors import FatalError
+
+__all__ = ["advisory_keys", "lock_folder", "try_file_lock"]
+
+
+def advisory_keys(namespace: bytes, name: str) -> tuple[int, int]:
+    """The two int4 keys of a PostgreSQL advisory lock on ``name`` within ``namespace`` (the
+    two-key space, apart from the applications' usual bigint keys)."""
+    digest = hashlib.sha256(namespace + b"\0" + name.encode()).digest()
+    return (int.from_bytes(digest[:4], "big", signed=True),
+            int.from_bytes(digest[4:8], "big", signed=True))
+
+
+def lock_folder(engine: Engine, suffix: str) -> Path | None:
+    """The folder beside an SQLite database file for its lock files (``<db><suffix>``); None
+    for another database or an in-memory one (one process: nothing to lock against)."""
+    if engine.dialect.name != "sqlite":
+        return None
+    database = engine.url.database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    db = Path(database).resolve()
+    return db.with_name(db.name + suffix)
+
+
+def try_file_lock(folder: Path, name: str) -> int | None:
+    """Take an exclusive ``flock`` on the file for ``name`` in ``folder`` without waiting; its
+    descriptor (closing it releases the lock, so does the process's death), or None if held."""
+    try:
+        folder.mkdir(exist_ok=True)
+        fd = os.open(folder / (hashlib.sha256(name.encode()).hexdigest()[:32] + ".lock"),
+                     os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise FatalError(f"cannot use the lock folder {folder} beside the SQLite database "
+                         f"({exc.strerror}); dualwrite needs to create files there") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd

@@ -1,0 +1,32 @@
+"""The Kafka side: a Kafka transaction as a two-phase-commit participant.
+
+``TwoPhaseProducer`` prepares and commits; ``PreparedTxnState`` names what it prepared;
+``complete`` finishes an in-doubt transaction from that name; ``ControlPlane`` speaks the
+coordinator RPCs librdkafka does not expose; ``kafka_errors`` turns Kafka error codes into
+dualwrite errors (the one translation layer for the Kafka side).
+"""
+
+from dualwrite.participant.completion import Completion, complete
+from dualwrite.participant.control_plane import (
+    ControlPlane,
+    ProbeResult,
+    TransactionDescription,
+    TxnState,
+)
+from dualwrite.participant.identifiers import ProducerIdentity, TopicPartition
+from dualwrite.participant.prepared_state import Anchor, PreparedTxnState
+from dualwrite.participant.producer import TwoPhaseProducer
+
+__all__ = [
+    "Anchor",
+    "Completion",
+    "ControlPlane",
+    "PreparedTxnState",
+    "ProbeResult",
+    "ProducerIdentity",
+    "TopicPartition",
+    "TransactionDescription",
+    "TwoPhaseProducer",
+    "TxnState",
+    "complete",
+]

@@ -1,0 +1,17 @@
+"""The writer role: KIP-939's dual-write recipe for a service's own transactions.
+
+``DualWriter`` runs the recipe as one ``with`` block; ``StateStore`` is the prepared-state table
+it writes with the application's rows; ``Leases`` say which writer may end an id's transactions.
+"""
+
+from dualwrite.writer.dual_writer import DualWriter, DualWriteTransaction
+from dualwrite.writer.lease import Leases
+from dualwrite.writer.state_store import StateRow, StateStore
+
+__all__ = [
+    "DualWriteTransaction",
+    "DualWriter",
+    "Leases",
+    "StateRow",
+    "StateStore",
+]
