@@ -34,7 +34,7 @@ from dualwrite.errors import (
 )
 from dualwrite.participant.client_config import load_properties
 from dualwrite.participant.control_plane import ControlPlane, TransactionDescription
-from dualwrite.recovery.resolver import RecoveryResult, SinkRecoveryResult, recover, status
+from dualwrite.recovery import RecoveryResult, SinkRecoveryResult, recover, status
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -184,8 +184,9 @@ def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties
     not yet decided may be aborted and is then written again (a running sink also recovers
     itself when it starts).
 
-    Exit 0 when all are resolved, 3 on a heuristic outcome, 4 when Kafka or the database
-    cannot be reached, 5 when some ids or sinks are still unresolved.
+    Exit 0 when all are resolved, 3 on a heuristic outcome, 1 when an id failed with an error
+    retrying will not fix (e.g. a missing ACL), 4 when Kafka or the database cannot be reached,
+    5 when some ids or sinks are still unresolved.
     """
     config = _kafka_config(bootstrap_servers, kafka_properties)
     engine = create_engine(db_url)
@@ -220,6 +221,8 @@ def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties
         click.echo(f"error: {s.detail}", err=True)
     if report.heuristic or report.heuristic_sinks:
         sys.exit(EXIT_HEURISTIC)
+    if any(r.fatal for r in report.failed):
+        sys.exit(EXIT_ERROR)  # retrying will not help: the message says what to fix
     if any(r.unreachable for r in report.failed) \
             or any(s.unreachable for s in report.failed_sinks):
         sys.exit(EXIT_UNREACHABLE)

@@ -10,7 +10,9 @@ Transactions ``first-txn`` .. ``first-txn + count - 1`` each insert ``rows`` row
 Without ``--crash-point`` every transaction commits, ``COMMITTED <txn>`` is printed after each and
 the worker exits 0. With it, the last transaction prints ``AT <point>`` at that point and blocks
 until the parent SIGKILLs it; ``during-kafka-commit`` prints and then commits at once, so the kill
-races into the commit. Points are injected by wrapping library methods, never by editing them.
+races into the commit. Points are injected through the writer's fault-injection seam
+(:class:`dualwrite.writer.PhaseHooks`) and a :class:`StateStore` subclass, never by editing or
+patching the library.
 """
 
 from __future__ import annotations
@@ -20,15 +22,13 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import Connection
 
 from dualwrite import DualWriter, TwoPhaseProducer, create_engine
-from dualwrite.participant import TxnState
-from dualwrite.writer import StateStore
+from dualwrite.participant import PreparedTxnState, TxnState
+from dualwrite.writer import PhaseHooks, StateStore
 
 POINTS = (
     "after-begin",
@@ -112,53 +112,43 @@ class CrashingStateStore(StateStore):
         super().write_and_commit(conn, transactional_id, state)
 
 
-def wrap(obj: Any, name: str, around: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Replace the bound method ``obj.name`` by ``around(original)`` on this instance only."""
-    setattr(obj, name, around(getattr(obj, name)))
+class CrashHooks(PhaseHooks):
+    """The crash points at the writer's named phases (the state store has the DB's)."""
 
+    def __init__(self, crasher: Crasher) -> None:
+        self.crasher = crasher
+        self.writer: DualWriter | None = None
 
-def install_hooks(producer: TwoPhaseProducer, crasher: Crasher) -> None:
-    """Wrap the producer's verbs with the crash points (the state store has the DB's)."""
+    def kafka_begun(self) -> None:
+        if self.crasher.at("after-begin"):
+            stop_here("after-begin")
 
-    def begin(original: Callable[[], None]) -> Callable[[], None]:
-        def hooked() -> None:
-            original()
-            if crasher.at("after-begin"):
-                stop_here("after-begin")
-        return hooked
+    def before_late_lock(self, records_sent: int) -> None:
+        # The first record is in the log; the state-row lock is not taken yet.
+        if self.crasher.at("before-lock"):
+            assert self.writer is not None
+            wait_until_in_log(self.writer.producer)
+            stop_here("before-lock")
 
-    def flush_and_state(original: Callable[[], Any]) -> Callable[[], Any]:
-        def hooked() -> Any:
-            state = original()
-            if crasher.at("after-flush"):
-                stop_here("after-flush")
-            return state
-        return hooked
+    def prepared(self, state: PreparedTxnState) -> None:
+        if self.crasher.at("after-flush"):
+            stop_here("after-flush")
 
-    def verify(original: Callable[[], None]) -> Callable[[], None]:
-        def hooked() -> None:
-            original()
-            crasher.verified.set()
-        return hooked
+    def verified(self, state: PreparedTxnState) -> None:
+        self.crasher.verified.set()
 
-    def commit(original: Callable[[], None]) -> Callable[[], None]:
-        def hooked() -> None:
-            if crasher.at("after-db-commit"):
-                stop_here("after-db-commit")
-            if crasher.at("during-kafka-commit"):
-                announce("during-kafka-commit")
-                original()
-                time.sleep(BLOCK_S)  # never go on to the next transaction
-                os._exit(2)
-            original()
-            if crasher.at("after-kafka-commit"):
-                stop_here("after-kafka-commit")
-        return hooked
+    def database_committed(self, state: PreparedTxnState) -> None:
+        if self.crasher.at("after-db-commit"):
+            stop_here("after-db-commit")
+        if self.crasher.at("during-kafka-commit"):
+            announce("during-kafka-commit")  # the writer commits Kafka right after
 
-    wrap(producer, "begin_transaction", begin)
-    wrap(producer, "flush_and_state", flush_and_state)
-    wrap(producer, "verify_prepared", verify)
-    wrap(producer, "commit_transaction", commit)
+    def kafka_committed(self, state: PreparedTxnState) -> None:
+        if self.crasher.at("during-kafka-commit"):
+            time.sleep(BLOCK_S)  # never go on to the next transaction
+            os._exit(2)
+        if self.crasher.at("after-kafka-commit"):
+            stop_here("after-kafka-commit")
 
 
 def wait_until_in_log(producer: TwoPhaseProducer, timeout_s: float = 20.0) -> None:
@@ -195,20 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     store = CrashingStateStore(engine)
     store.crasher = crasher
     kafka = {"bootstrap.servers": args.bootstrap, "linger.ms": 1}
+    hooks = CrashHooks(crasher)
     # ``after-prepare`` crashes once the coordinator confirmed the prepare: always ask it there.
-    with DualWriter(engine, kafka, transactional_id=args.tid, state_store=store,
+    with DualWriter(engine, kafka, transactional_id=args.tid, state_store=store, hooks=hooks,
                     verify="always" if crasher.point == "after-prepare" else "auto") as writer:
-        install_hooks(writer.producer, crasher)
-        take_lock = writer._take_deferred_lock
-
-        def before_lock(tx: Any) -> None:
-            # The first record is in the log; the state-row lock is not taken yet.
-            if crasher.at("before-lock"):
-                wait_until_in_log(writer.producer)
-                stop_here("before-lock")
-            take_lock(tx)
-
-        writer._take_deferred_lock = before_lock  # type: ignore[method-assign]
+        hooks.writer = writer
         for txn in range(args.first_txn, last + 1):
             crasher.txn = txn
             crasher.verified.clear()

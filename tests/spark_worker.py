@@ -3,7 +3,7 @@
 The source is a directory of JSON files, one file per micro-batch (``maxFilesPerTrigger=1``), so the
 set of events is known and a replayed batch re-reads the same file. The query runs with
 ``availableNow`` and exits 0 once every file is processed. Faults come from
-``DUALWRITE_SPARK_FAULTS`` (see dualwrite/spark/_faults.py).
+``DUALWRITE_SPARK_FAULTS`` (see dualwrite/spark/faults.py).
 
     python spark_worker.py --bootstrap B --db URL --topic T --sink-id S --source DIR \
         --checkpoint DIR [--partitions N] [--kafka-only] [--master local[2]] [--conf k=v ...]

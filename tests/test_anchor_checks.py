@@ -29,7 +29,7 @@ import dualwrite
 from dualwrite import DualWriter, PreparedTxnState
 from dualwrite.errors import HeuristicAbortError, HeuristicOutcomeError, OutcomeUnreadableError
 from dualwrite.participant import ControlPlane, TopicPartition, TxnState
-from dualwrite.participant.completion import Completion, committed_at_anchor, complete
+from dualwrite.participant.completion import Outcome, committed_at_anchor, complete
 from dualwrite.participant.prepared_state import Anchor, topic_digest
 from dualwrite.writer import StateStore
 from tests._kafka_helpers import prepare_open, unique, wait_for
@@ -179,7 +179,7 @@ def test_committed_transaction_reads_as_committed(topic: str, bootstrap: str,
     tid = unique("anchor-commit")
     state = prepare_open(bootstrap, topic, tid, ["kept"], commit=True)
     with ControlPlane(kconf, timeout_s=20) as cp:
-        assert complete(cp, kconf, tid, state, timeout_s=20) is Completion.ALREADY_COMMITTED
+        assert complete(cp, kconf, tid, state, timeout_s=20) is Outcome.ALREADY_COMMITTED
 
 
 @pytest.mark.parametrize("length", [240, 249])
@@ -202,7 +202,7 @@ def test_hashed_topic_name_resolves_after_the_transaction_ended(
     with ControlPlane(kconf, timeout_s=20) as cp:
         desc = cp.describe_transaction(tid)
         assert desc is not None and not desc.partitions  # nothing left to resolve it from
-        assert complete(cp, kconf, tid, state, timeout_s=20) is Completion.ALREADY_COMMITTED
+        assert complete(cp, kconf, tid, state, timeout_s=20) is Outcome.ALREADY_COMMITTED
 
     aborted_tid = unique("anchor-hashed-abort")
     aborted = hashed(prepare_open(bootstrap, topic, aborted_tid, ["w"], timeout_ms=2000))

@@ -2,14 +2,14 @@
 
 Participants are built the way a task leaves them: a TwoPhaseProducer with the pooled
 transactional id prepares and is closed, so its transaction stays open at the coordinator. A
-driver crash is a phase hook that raises; a restarted driver is a new coordinator instance.
+driver crash is a coordinator hook that raises; a restarted driver is a new coordinator instance.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -17,8 +17,9 @@ import sqlalchemy as sa
 
 import dualwrite
 from dualwrite import Outcome, RetriableError, TwoPhaseProducer
-from dualwrite.batch.coordinator import BatchCoordinator, transactional_id
+from dualwrite.batch.coordinator import BatchCoordinator, CoordinatorHooks
 from dualwrite.batch.decision_log import DecisionLog, Participant, StagingTable
+from dualwrite.batch.naming import transactional_id
 from dualwrite.errors import BatchHeuristicAbortError
 from dualwrite.participant import ControlPlane, TxnState
 from tests._kafka_helpers import read_committed, unique
@@ -78,6 +79,17 @@ def open_in_pool(cp: ControlPlane, sink: str) -> list[str]:
 
 def encoded(*values: str) -> list[bytes]:
     return sorted(v.encode() for v in values)
+
+
+class Hooks(CoordinatorHooks):
+    """Calls ``on(point, batch)`` at the coordinator's points while it is set."""
+
+    def __init__(self, on: Callable[[str, int], None] | None = None) -> None:
+        self.on = on
+
+    def at(self, point: str, batch_id: int) -> None:
+        if self.on is not None:
+            self.on(point, batch_id)
 
 
 def crash_at(phase: str) -> Any:
@@ -182,8 +194,7 @@ def test_recover_commits_a_decided_batch_after_a_driver_crash(
     parts = [prepare(bootstrap, cp, sink, topic, 9, p, 0, [f"p{p}-a", f"p{p}-b"])
              for p in range(3)]
     loser = prepare(bootstrap, cp, sink, topic, 9, 2, 1, ["speculative"])
-    crashed = coordinator(sink, engine, kconf, cp)
-    crashed.phase_hook = crash_at("decided")
+    crashed = coordinator(sink, engine, kconf, cp, hooks=Hooks(crash_at("decided")))
     with pytest.raises(DriverCrash):
         crashed.finish(9, parts)
     crashed.close()
@@ -239,10 +250,9 @@ def test_heuristic_abort_after_the_decision(engine: sa.Engine, kconf: dict[str, 
             cp.end_transaction(victim.transactional_id, victim.state.producer_id,
                                victim.state.epoch, commit=False)
 
-    with coordinator(sink, engine, kconf, cp) as coord:
-        coord.phase_hook = abort_victim
-        with pytest.raises(BatchHeuristicAbortError) as info:
-            coord.finish(12, parts)
+    with coordinator(sink, engine, kconf, cp, hooks=Hooks(abort_victim)) as coord, \
+            pytest.raises(BatchHeuristicAbortError) as info:
+        coord.finish(12, parts)
     assert info.value.sink_id == sink and info.value.batch_id == 12
     assert repr(sink) in str(info.value) and "batch 12" in str(info.value)
     assert [c.transactional_id for c in info.value.causes] == [victim.transactional_id]
@@ -345,10 +355,9 @@ def test_status_shows_the_in_doubt_batch_and_lingering(engine: sa.Engine, kconf:
     prepare_tid.produce(topic, b"hanging", partition=2)
     prepare_tid.prepare_transaction()
     prepare_tid.close()
-    with coordinator(sink, engine, kconf, cp) as coord:
-        coord.phase_hook = crash_at("decided")
-        with pytest.raises(DriverCrash):
-            coord.finish(5, parts)
+    with coordinator(sink, engine, kconf, cp, hooks=Hooks(crash_at("decided"))) as coord, \
+            pytest.raises(DriverCrash):
+        coord.finish(5, parts)
 
     report = dualwrite.status(engine, kconf, prefix=sink, timeout_s=20)
     [s] = [s for s in report.sinks if s.sink_id == sink]
@@ -381,7 +390,7 @@ def test_recover_and_status_without_the_batch_tables(empty_db_url: str, kconf: d
     recovery and status still work."""
     engine = dualwrite.create_engine(empty_db_url)
     try:
-        dualwrite.writer.StateStore(engine).table.metadata.create_all(engine)
+        dualwrite.writer.StateStore(engine).table.create(engine)
         assert not DecisionLog(engine).has_tables()
         tid = unique("old-schema")
         p = TwoPhaseProducer({"bootstrap.servers": bootstrap, "transactional.id": tid,

@@ -7,7 +7,7 @@
 - `dualwrite recover` beside a running driver deciding the sink's first batch;
 - one unreadable participant row fails its own sink only.
 
-Faults go through documented seams: ``BatchCoordinator.phase_hook``, a wrapped ``verify`` (the
+Faults go through documented seams: ``CoordinatorHooks``, a wrapped ``verify`` (the
 window under the decision lock), a PostgreSQL trigger that makes COMMIT slow, and a socket shut
 down from the client side.
 """
@@ -37,7 +37,7 @@ from dualwrite.errors import (
 from dualwrite.participant import ControlPlane
 from tests import test_batch_coordinator
 from tests._kafka_helpers import read_committed, unique
-from tests.test_batch_coordinator import encoded, open_in_pool, prepare
+from tests.test_batch_coordinator import Hooks, encoded, open_in_pool, prepare
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -80,7 +80,7 @@ def sink_loop(coord: BatchCoordinator, batch: int, tasks: Callable[[], list[Part
 
 
 def broker_down_at(phase: str, batch: int, times: int) -> Callable[[str, int], None]:
-    """A phase hook: the broker is unreachable at ``phase`` of ``batch``, ``times`` times."""
+    """A hook: the broker is unreachable at ``phase`` of ``batch``, ``times`` times."""
     left = [times]
 
     def hook(name: str, batch_id: int) -> None:
@@ -110,8 +110,9 @@ def test_a_broker_error_during_the_commit_does_not_write_the_batch_again(
     """Batch 0 is decided; the broker drops out after its first participant committed. Writing
     the batch again would re-initialise the pooled ids (aborting the decided participants) and
     the new decision would be refused as a replay: rows published, records lost."""
-    with BatchCoordinator(sink, engine, kconf, control_plane=cp, timeout_s=20) as coord:
-        coord.phase_hook = broker_down_at("committed-one", 0, times=1)
+    hooks = Hooks(broker_down_at("committed-one", 0, times=1))
+    with BatchCoordinator(sink, engine, kconf, control_plane=cp, timeout_s=20,
+                          hooks=hooks) as coord:
         runs, error = sink_loop(coord, 0, lambda: write_tasks(bootstrap, cp, sink, topic, 0))
     assert read_committed(bootstrap, topic) == all_values(0)  # the decided batch's records
     assert (runs, error) == (1, None)  # completed in place, the tasks ran once
@@ -126,14 +127,15 @@ def test_a_batch_left_in_doubt_is_completed_before_the_next_is_decided(
     """The broker stays away past the completion budget: the error must not be retriable, and
     batch 1's decision must commit batch 0's participants first instead of overwriting it (and
     sweeping its still-open participants as losers)."""
-    with BatchCoordinator(sink, engine, kconf, control_plane=cp, timeout_s=2) as coord:
-        coord.phase_hook = broker_down_at("committed-one", 0, times=1000)
+    hooks = Hooks(broker_down_at("committed-one", 0, times=1000))
+    with BatchCoordinator(sink, engine, kconf, control_plane=cp, timeout_s=2,
+                          hooks=hooks) as coord:
         started = time.monotonic()
         runs, error = sink_loop(coord, 0, lambda: write_tasks(bootstrap, cp, sink, topic, 0))
         gave_up_s = time.monotonic() - started
         record = DecisionLog(engine).read(sink)
         assert record is not None and record.in_doubt and record.last_batch_id == 0
-        coord.phase_hook = None  # the broker is back; Spark goes on with batch 1
+        hooks.on = None  # the broker is back; Spark goes on with batch 1
         assert coord.finish(1, write_tasks(bootstrap, cp, sink, topic, 1)) is not None
     assert read_committed(bootstrap, topic) == all_values(0, 1)
     assert runs == 1 and isinstance(error, RecoverableError), error
@@ -148,11 +150,12 @@ def test_a_replay_of_an_in_doubt_batch_completes_it(
         sink: str) -> None:
     """The query failed with batch 0 in doubt and restarts in the same process: Spark replays
     batch 0, which must be completed, neither written again nor skipped blindly."""
-    with BatchCoordinator(sink, engine, kconf, control_plane=cp, timeout_s=1) as coord:
-        coord.phase_hook = broker_down_at("decided", 0, times=1000)
+    hooks = Hooks(broker_down_at("decided", 0, times=1000))
+    with BatchCoordinator(sink, engine, kconf, control_plane=cp, timeout_s=1,
+                          hooks=hooks) as coord:
         with pytest.raises(RecoverableError):
             coord.finish(0, write_tasks(bootstrap, cp, sink, topic, 0))
-        coord.phase_hook = None
+        hooks.on = None
         assert coord.should_write(0) is False  # the replay: completed, then skipped
         assert coord.should_write(1) is True
     assert read_committed(bootstrap, topic) == all_values(0)

@@ -212,7 +212,7 @@ def _participant(bootstrap: str, coordinator: BatchCoordinator, topic: str, batc
     tid = coordinator.transactional_id(batch, partition, attempt)
     p = TwoPhaseProducer({"bootstrap.servers": bootstrap, "transactional.id": tid,
                           "linger.ms": 0, "transaction.timeout.ms": 600_000},
-                         control_plane=coordinator.cp, timeout_s=20)
+                         control_plane=coordinator.control_plane, timeout_s=20)
     try:
         p.init_transactions()
         p.begin_transaction()
@@ -232,8 +232,8 @@ def test_recover_batch_sink_heuristic_exit_3(db: str, bootstrap: str, topic: str
             parts = [_participant(bootstrap, coord, topic, 8, p, 0, f"p{p}") for p in (0, 1)]
             assert coord.decide(8, parts)  # the driver decided, then died
             lost = parts[1]
-            coord.cp.end_transaction(lost.transactional_id, lost.state.producer_id,
-                                     lost.state.epoch, commit=False)  # Kafka aborted it
+            coord.control_plane.end_transaction(lost.transactional_id, lost.state.producer_id,
+                                                lost.state.epoch, commit=False)  # Kafka aborted it
         result = dw("recover", "--db", db, "-b", bootstrap)
         assert result.returncode == 3, (result.stdout, result.stderr)
         assert f"sink {sink} batch 8: heuristic-abort" in result.stdout

@@ -22,7 +22,7 @@ from dualwrite import (
     TransactionStateError,
     TwoPhaseProducer,
 )
-from dualwrite.participant import Completion, ControlPlane, TopicPartition, TxnState
+from dualwrite.participant import ControlPlane, Outcome, TopicPartition, TxnState
 from tests._kafka_helpers import read_committed, unique, wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -139,7 +139,7 @@ def test_prepare_commit_visible_and_state_names_transaction(producers: Any, boot
     p.commit_transaction()
     assert read_committed(bootstrap, topic) == encoded(["b1", "b2", "b3", "c1"])
     # Completing with what this session committed is a no-op.
-    assert p.complete_transaction(state2) is Completion.ALREADY_COMMITTED
+    assert p.complete_transaction(state2) is Outcome.ALREADY_COMMITTED
 
 
 def test_produce_many_sends_every_record_and_anchors_the_transaction(
@@ -206,7 +206,7 @@ def test_keep_prepared_requires_complete_before_begin(producers: Any, bootstrap:
         p.produce(topic, b"nope")
     with pytest.raises(TransactionStateError, match="init_transactions"):
         p.init_transactions()
-    assert p.complete_transaction("") is Completion.NOTHING  # a fresh id: nothing in doubt
+    assert p.complete_transaction("") is Outcome.NOTHING  # a fresh id: nothing in doubt
     p.begin_transaction()
     produce_values(p, topic, ["ok"])
     p.prepare_transaction()
@@ -227,10 +227,10 @@ def test_prepared_survives_close_and_new_producer_commits_it(
 
     q = producers()
     q.init_transactions(keep_prepared_txn=True)
-    assert q.complete_transaction(state) is Completion.COMMITTED
+    assert q.complete_transaction(state) is Outcome.COMMITTED
     assert read_committed(bootstrap, topic) == encoded(values)
-    assert q.complete_transaction(state) is Completion.ALREADY_COMMITTED
-    assert q.complete_transaction(str(state)) is Completion.ALREADY_COMMITTED
+    assert q.complete_transaction(state) is Outcome.ALREADY_COMMITTED
+    assert q.complete_transaction(str(state)) is Outcome.ALREADY_COMMITTED
     # q is a working producer after completion.
     q.begin_transaction()
     produce_values(q, topic, ["q1"])
@@ -241,7 +241,7 @@ def test_prepared_survives_close_and_new_producer_commits_it(
     # A third producer, later, finds the state already committed as well.
     r = producers()
     r.init_transactions(keep_prepared_txn=True)
-    assert r.complete_transaction(state) is Completion.ALREADY_COMMITTED
+    assert r.complete_transaction(state) is Outcome.ALREADY_COMMITTED
     assert read_committed(bootstrap, topic) == encoded([*values, "q1"])
 
 
@@ -267,7 +267,7 @@ def test_complete_with_other_state_aborts(producers: Any, bootstrap: str, topic:
 
     q = producers()
     q.init_transactions(keep_prepared_txn=True)
-    assert q.complete_transaction(previous) is Completion.ABORTED
+    assert q.complete_transaction(previous) is Outcome.ABORTED
     desc = cp.describe_transaction(tid)
     assert desc is not None and not desc.state.in_flight
     # Visible: what committed before and what q commits now, never the aborted records.

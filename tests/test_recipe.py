@@ -27,9 +27,9 @@ from dualwrite import (
 )
 from dualwrite.database import normalize_url
 from dualwrite.participant import TxnState
-from dualwrite.participant.completion import Completion, complete
+from dualwrite.participant.completion import Outcome, complete
 from dualwrite.participant.control_plane import ControlPlane
-from dualwrite.writer import StateStore
+from dualwrite.writer import PhaseHooks, StateStore
 from tests._kafka_helpers import closed_port, in_thread, read_committed, unique, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -509,15 +509,13 @@ def _in_the_log(cp: ControlPlane, tid: str) -> bool:
 
 def test_lock_waits_for_the_first_record_once_the_session_is_established(
         writers: Any, engine: sa.Engine, bootstrap: str, topic: str) -> None:
-    writer = writers(engine, unique("ahead"))
     took: list[int] = []
-    take = writer._take_deferred_lock
 
-    def spy(tx: Any) -> None:
-        took.append(len(tx._unlocked))
-        take(tx)
+    class Spy(PhaseHooks):
+        def before_late_lock(self, records_sent: int) -> None:
+            took.append(records_sent)
 
-    writer._take_deferred_lock = spy  # type: ignore[method-assign]
+    writer = writers(engine, unique("ahead"), hooks=Spy())
     for i in range(4):
         write_produce_first(writer, topic, f"v{i}")
     # The first transaction of a session locks first (it claims the id and finishes what is in
@@ -567,7 +565,7 @@ def test_recovery_acting_before_the_lock_is_granted_makes_the_writer_start_over(
         wait_for(lambda: _in_the_log(cp, tid), 10, what="the raced record in the log")
         ended = complete(cp, config, tid,
                          dualwrite.PreparedTxnState.parse(stored.prepared_txn_state))
-        assert ended is Completion.ABORTED  # the writer's open transaction
+        assert ended is Outcome.ABORTED  # the writer's open transaction
         recovery.commit()
         thread.join(30)
         assert not thread.is_alive() and errors == []

@@ -1,7 +1,7 @@
 """The Spark sink when the broker drops out after a batch was decided (issue 9, item 1).
 
 Runs tests/spark_worker.py as in tests/test_spark_sink.py; the fault is the documented
-``down:<point>:<batch>`` rule of dualwrite/spark/_faults.py (``BrokerUnreachableError`` raised
+``down:<point>:<batch>`` rule of dualwrite/spark/faults.py (``BrokerUnreachableError`` raised
 in the driver's commit phase, as a broker restart would).
 """
 

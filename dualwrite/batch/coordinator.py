@@ -16,19 +16,18 @@ re-initialise the pooled ids and abort its participants); an in-doubt batch is c
 the next is decided or its replay skipped. At the start of a run, :meth:`BatchCoordinator.recover`
 commits the participants of a decided but not completed batch and aborts everything else the sink
 left open. All of it happens under the sink's decision lock (:meth:`DecisionLog.locked`).
-Participant transactional ids come from a bounded pool:
-``<sink>-b<batch parity>-p<partition>-a<attempt>``.
+Participant transactional ids come from a bounded pool (:mod:`dualwrite.batch.naming`).
+Fault injection goes through :class:`CoordinatorHooks`, named points of the protocol.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from sqlalchemy import Engine
 
@@ -39,6 +38,7 @@ from dualwrite.batch.decision_log import (
     StagingTable,
     check_sink_id,
 )
+from dualwrite.batch.naming import pool_pattern, transactional_id
 from dualwrite.errors import (
     BatchHeuristicAbortError,
     BatchInDoubtError,
@@ -50,16 +50,16 @@ from dualwrite.errors import (
     RetriableError,
 )
 from dualwrite.participant.completion import (
-    Completion,
     complete,
     end_open_transaction,
     names_open_transaction,
     prefetch,
 )
 from dualwrite.participant.control_plane import ControlPlane, TxnState
+from dualwrite.participant.outcome import Outcome
 from dualwrite.participant.prepared_state import PreparedTxnState
 
-__all__ = ["BatchCoordinator", "BatchTimings", "SinkRecovery", "transactional_id"]
+__all__ = ["BatchCoordinator", "BatchTimings", "CoordinatorHooks", "Point", "SinkRecovery"]
 
 log = logging.getLogger(__name__)
 
@@ -67,18 +67,29 @@ _T = TypeVar("_T")
 _OPEN_STATES = [TxnState.ONGOING, TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT]
 
 
-def transactional_id(sink_id: str, batch_id: int, partition_id: int, attempt: int) -> str:
-    """The pooled transactional id of one task attempt.
+Point = Literal["verified", "decided", "committed-one", "committed", "completed"]
+"""The named points of one batch, in order, at which :class:`CoordinatorHooks` is called."""
 
-    Batch parity keeps a task of batch N+1 from re-initialising (and so aborting) a participant
-    of batch N that a slow driver has not committed yet; the attempt number keeps retries and
-    speculative copies of one partition from fencing each other.
+
+class CoordinatorHooks:
+    """The seam for fault injection into the driver: called at named points of each batch.
+
+    The default does nothing. A crash test subclasses it and raises (a driver crash, a broker
+    going away) or pauses at a point; :mod:`dualwrite.spark.faults` is the implementation the
+    Spark sink uses, driven by an environment variable. The points (see :data:`Point`):
+
+    - ``verified``: under the sink's decision lock, participants verified, nothing decided yet;
+    - ``decided``: the decision is recorded, no participant committed (again before each retry
+      of the commits);
+    - ``committed-one``: the first participant is committed, the others not yet;
+    - ``committed``: every participant is committed, the batch not marked completed;
+    - ``completed``: the batch is marked completed, losing attempts not aborted yet.
+
+    An exception raised at a point is what the driver sees from the step that follows it.
     """
-    return f"{sink_id}-b{batch_id % 2}-p{partition_id}-a{attempt}"
 
-
-def _pool_pattern(sink_id: str) -> re.Pattern[str]:
-    return re.compile(re.escape(sink_id) + r"-b[01]-p\d+-a\d+")
+    def at(self, point: Point, batch_id: int) -> None:
+        """Called at ``point`` of batch ``batch_id``."""
 
 
 @dataclass
@@ -117,29 +128,32 @@ class BatchCoordinator:
 
     def __init__(self, sink_id: str, engine: Engine, kafka_config: Mapping[str, Any], *,
                  staging: StagingTable | None = None, control_plane: ControlPlane | None = None,
-                 timeout_s: float = 30.0, parallelism: int = 16) -> None:
+                 timeout_s: float = 30.0, parallelism: int = 16,
+                 hooks: CoordinatorHooks | None = None) -> None:
+        """``control_plane``: a client the caller owns and closes (shared with others); without
+        one the coordinator creates its own and :meth:`close` closes it. ``hooks``: see
+        :class:`CoordinatorHooks` (default: none)."""
         self.sink_id = check_sink_id(sink_id)
         self.log = DecisionLog(engine)
         self.staging = staging
         self._config = dict(kafka_config)
         self._owns_cp = control_plane is None
-        self.cp = control_plane or ControlPlane(kafka_config, timeout_s=timeout_s)
+        self._cp = control_plane or ControlPlane(kafka_config, timeout_s=timeout_s)
         self._timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(parallelism, thread_name_prefix=f"dualwrite-{sink_id}")
-        self._pattern = _pool_pattern(sink_id)
-        self.phase_hook: Callable[[str, int], None] | None = None
-        """Called with a phase ("verified", "decided", "committed-one", "committed", "completed")
-        and the batch id; the crash and fault tests pause the driver or raise there. "verified"
-        runs under the sink's decision lock, before the decision is written."""
+        self._pattern = pool_pattern(sink_id)
+        self._hooks = hooks or CoordinatorHooks()
 
-    def _phase(self, name: str, batch_id: int) -> None:
-        if self.phase_hook is not None:
-            self.phase_hook(name, batch_id)
+    @property
+    def control_plane(self) -> ControlPlane:
+        """The control-plane client the coordinator acts through (not for closing)."""
+        return self._cp
 
     def close(self) -> None:
+        """Stop the commit threads; close the control plane if the coordinator created it."""
         self._pool.shutdown(wait=True)
         if self._owns_cp:
-            self.cp.close()
+            self._cp.close()
 
     def __enter__(self) -> BatchCoordinator:
         return self
@@ -233,10 +247,10 @@ class BatchCoordinator:
         states = {p.transactional_id: p.state for p in participants}
         if not states:
             return
-        found = prefetch(self.cp, states)
+        found = prefetch(self._cp, states)
         lost = [tid for tid, state in states.items()
                 if (desc := found.descriptions.get(tid)) is None
-                or not names_open_transaction(self.cp, desc, state, found)]
+                or not names_open_transaction(self._cp, desc, state, found)]
         if lost:
             raise RetriableError(
                 f"sink {self.sink_id!r}: participants {lost} are no longer open as prepared "
@@ -265,7 +279,7 @@ class BatchCoordinator:
             return 0
         # The first one alone, so that a crash test can stop the driver between two commits.
         committed = [self._commit_direct(participants[0])]
-        self._phase("committed-one", batch_id)
+        self._hooks.at("committed-one", batch_id)
         committed += self._pool.map(self._commit_direct, participants[1:])
         unsettled = [p for p, done in zip(participants, committed, strict=True) if not done]
         if not unsettled:
@@ -277,13 +291,13 @@ class BatchCoordinator:
         heuristic = [r for r in results if isinstance(r, HeuristicAbortError)]
         if heuristic:
             raise BatchHeuristicAbortError(self.sink_id, batch_id, heuristic)
-        return sum(committed) + sum(1 for r in results if r is Completion.COMMITTED)
+        return sum(committed) + sum(1 for r in results if r is Outcome.COMMITTED)
 
     def _commit_direct(self, p: Participant) -> bool:
         """EndTxn(commit) by the prepared producer id and epoch; False if that did not settle it."""
         state = p.state
         try:
-            self.cp.end_transaction(p.transactional_id, state.producer_id, state.epoch,
+            self._cp.end_transaction(p.transactional_id, state.producer_id, state.epoch,
                                     commit=True)
             return True
         except DualWriteError as exc:
@@ -294,10 +308,10 @@ class BatchCoordinator:
                      p.transactional_id, state.producer_id, state.epoch, exc)
             return False
 
-    def _complete(self, p: Participant) -> Completion | HeuristicAbortError:
+    def _complete(self, p: Participant) -> Outcome | HeuristicAbortError:
         state = p.state
         try:
-            return complete(self.cp, self._config, p.transactional_id, state,
+            return complete(self._cp, self._config, p.transactional_id, state,
                             timeout_s=self._timeout_s)
         except HeuristicAbortError as exc:
             log.error("sink=%s transactional_id=%s producer_id=%d epoch=%d heuristic abort: %s",
@@ -320,15 +334,15 @@ class BatchCoordinator:
 
     def sweep(self, keep: Sequence[str] | set[str]) -> list[str]:
         """Abort every open transaction of the sink's id pool except ``keep``."""
-        listed = self.cp.list_transactions(states=_OPEN_STATES, prefix=self.sink_id)
+        listed = self._cp.list_transactions(states=_OPEN_STATES, prefix=self.sink_id)
         lingering = [t.transactional_id for t in listed
                      if self._pattern.fullmatch(t.transactional_id)
                      and t.transactional_id not in keep]
         empty = PreparedTxnState.empty()
 
         def abort(tid: str) -> str | None:
-            done, _ = end_open_transaction(self.cp, tid, empty, timeout_s=self._timeout_s)
-            if done is Completion.ABORTED:
+            done, _ = end_open_transaction(self._cp, tid, empty, timeout_s=self._timeout_s)
+            if done is Outcome.ABORTED:
                 log.info("sink=%s aborted lingering transactional_id=%s", self.sink_id, tid)
                 return tid
             return None
@@ -417,7 +431,7 @@ class BatchCoordinator:
             started = time.perf_counter()
             self.verify(participants)
             timings.verify_s = time.perf_counter() - started
-            self._phase("verified", batch_id)
+            self._hooks.at("verified", batch_id)
 
         if not self._decide_or_ask(batch_id, participants, verify):
             self._quietly("abort lingering transactions", lambda: self.sweep(keep=()), list[str]())
@@ -427,7 +441,7 @@ class BatchCoordinator:
                  ",".join(p.transactional_id for p in participants) or "-")
         t3 = self._complete_decided(batch_id, participants)
         t4 = time.perf_counter()
-        self._phase("completed", batch_id)
+        self._hooks.at("completed", batch_id)
         keep = {p.transactional_id for p in participants}
         timings.aborted = self._quietly("abort losing attempts", lambda: self.sweep(keep=keep),
                                         list[str]())
@@ -454,10 +468,10 @@ class BatchCoordinator:
         delay = 0.2
         while True:
             try:
-                self._phase("decided", batch_id)
+                self._hooks.at("decided", batch_id)
                 self.commit(batch_id, participants)
                 committed_at = time.perf_counter()
-                self._phase("committed", batch_id)
+                self._hooks.at("committed", batch_id)
                 if participants:
                     self.log.mark_completed(self.sink_id, batch_id)
                 return committed_at

@@ -37,6 +37,9 @@ from dualwrite.database import (
     transaction,
     try_file_lock,
 )
+from dualwrite.database.schema import BATCH_PARTICIPANT as _PARTICIPANTS
+from dualwrite.database.schema import BATCH_SINK as _SINKS
+from dualwrite.database.schema import MAX_SINK_ID, PARTICIPANT_TABLE, SINK_TABLE
 from dualwrite.errors import (
     BatchInDoubtError,
     FatalError,
@@ -58,10 +61,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SINK_TABLE = "dualwrite_batch_sink"
-PARTICIPANT_TABLE = "dualwrite_batch_participant"
-#: Longest sink id; transactional ids add a suffix and must stay within 255 characters.
-MAX_SINK_ID = 200
 _SINK_ID = re.compile(r"[A-Za-z0-9._-]{1,200}")
 # Columns the staging table adds to the target's.
 _STAGING_COLUMNS = ("dw_sink_id", "dw_batch_id", "dw_attempt")
@@ -109,26 +108,6 @@ class SinkRecord:
 
 def _utc(value: datetime) -> datetime:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-
-
-_METADATA = sa.MetaData()
-_SINKS = sa.Table(
-    SINK_TABLE, _METADATA,
-    sa.Column("sink_id", sa.String(MAX_SINK_ID), primary_key=True),
-    sa.Column("last_batch_id", sa.BigInteger, nullable=False),
-    sa.Column("completed", sa.Boolean, nullable=False),
-    sa.Column("decided_at", sa.DateTime(timezone=True), nullable=False),
-    sa.Column("completed_at", sa.DateTime(timezone=True)),
-)
-_PARTICIPANTS = sa.Table(
-    PARTICIPANT_TABLE, _METADATA,
-    sa.Column("sink_id", sa.String(MAX_SINK_ID), primary_key=True),
-    sa.Column("transactional_id", sa.String(255), primary_key=True),
-    sa.Column("batch_id", sa.BigInteger, nullable=False),
-    sa.Column("partition_id", sa.Integer, nullable=False),
-    sa.Column("prepared_txn_state", sa.String(255), nullable=False),
-    sa.Column("records", sa.BigInteger, nullable=False),
-)
 
 
 def _missing_table(exc: sa.exc.DBAPIError) -> bool:

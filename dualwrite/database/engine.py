@@ -17,7 +17,6 @@ Credentials never appear in messages or logs: URLs are always rendered with the 
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import shlex
 import sqlite3
@@ -36,6 +35,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy.engine import URL, make_url
 
+from dualwrite.database.schema import STATE_TABLE, TRANSACTION_STATE, VERSION_TABLE
 from dualwrite.errors import (
     DatabaseUnreachableError,
     DualWriteError,
@@ -46,10 +46,9 @@ from dualwrite.errors import (
 )
 
 __all__ = [
+    "MIGRATIONS_RESOURCE",
     "MIGRATION_LOCK_KEY",
     "SQLITE_BEGIN_OPTION",
-    "STATE_TABLE",
-    "VERSION_TABLE",
     "check_schema",
     "create_engine",
     "current_revision",
@@ -68,10 +67,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: dualwrite's state table, created by migration 0001.
-STATE_TABLE = "dualwrite_transaction_state"
-#: Alembic version table of dualwrite's own migrations (not the application's ``alembic_version``)
-VERSION_TABLE = "dualwrite_alembic_version"
+#: Alembic's ``script_location`` of dualwrite's migrations, as a package resource.
+MIGRATIONS_RESOURCE = "dualwrite.database:migrations"
 #: PostgreSQL advisory-lock key held while migrating, so that concurrent upgrades run one at a time.
 MIGRATION_LOCK_KEY = 0x6477_6D69_6772_6174  # "dwmigrat"
 #: Connection execution option naming the SQLite BEGIN mode: "IMMEDIATE" (default) or "DEFERRED".
@@ -339,27 +336,20 @@ def transaction(engine: Engine, *, read_only: bool = False,
 
 
 def migrations_dir() -> Path:
-    """Where dualwrite's Alembic environment lives.
-
-    Installed (wheel or editable): the package ``dualwrite._migrations``. Running from a source
-    checkout without installing: the top-level ``migrations/`` directory next to ``dualwrite/``.
-    """
-    spec = importlib.util.find_spec("dualwrite._migrations")
-    if spec is not None and spec.submodule_search_locations:
-        for location in spec.submodule_search_locations:
-            if (Path(location) / "env.py").is_file():
-                return Path(location)
-    checkout = Path(__file__).resolve().parents[2] / "migrations"
-    if (checkout / "env.py").is_file():
-        return checkout
-    raise MigrationRequiredError(
-        "dualwrite's migration scripts are missing from this installation; reinstall dualwrite"
-    )
+    """Where dualwrite's Alembic environment lives: the package ``dualwrite.database.migrations``
+    (:data:`MIGRATIONS_RESOURCE`)."""
+    path = Path(__file__).resolve().parent / "migrations"
+    if not (path / "env.py").is_file():
+        raise MigrationRequiredError(
+            "dualwrite's migration scripts are missing from this installation; reinstall "
+            "dualwrite")
+    return path
 
 
 def _alembic_config() -> Config:
+    migrations_dir()  # a broken installation fails with a typed error, not Alembic's
     cfg = Config()
-    cfg.set_main_option("script_location", str(migrations_dir()).replace("%", "%%"))
+    cfg.set_main_option("script_location", MIGRATIONS_RESOURCE)
     return cfg
 
 
@@ -401,9 +391,6 @@ def current_revision(engine: Engine) -> str | None:
         return ctx.get_current_revision()
 
 
-_STATE_COLUMNS = ("transactional_id", "prepared_txn_state", "updated_at", "fencing_generation")
-
-
 def _missing_state_columns(engine: Engine) -> list[str] | None:
     """Columns the state table lacks, or None when there is no state table."""
     with transaction(engine, read_only=True) as conn:
@@ -411,7 +398,7 @@ def _missing_state_columns(engine: Engine) -> list[str] | None:
         if not inspector.has_table(STATE_TABLE):
             return None
         columns = {c["name"] for c in inspector.get_columns(STATE_TABLE)}
-    return [c for c in _STATE_COLUMNS if c not in columns]
+    return [c.name for c in TRANSACTION_STATE.columns if c.name not in columns]
 
 
 def check_schema(engine: Engine) -> None:

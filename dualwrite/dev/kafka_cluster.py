@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -121,6 +122,10 @@ class BrokerNode:
     container: str | None = None
     sasl_port: int | None = None
     ssl_port: int | None = None
+    external_port: int | None = None
+    """``proxied=True``: the EXTERNAL listener's bound port."""
+    proxy_port: int | None = None
+    """``proxied=True``: the port EXTERNAL advertises, where a test's proxy listens."""
 
     @property
     def address(self) -> str:
@@ -279,6 +284,7 @@ class LocalKafkaCluster:
         heap: str = "512m",
         startup_timeout: float = 120.0,
         security: Security = "none",
+        proxied: bool = False,
     ) -> None:
         if brokers < 1:
             raise ValueError("brokers must be at least 1")
@@ -307,6 +313,10 @@ class LocalKafkaCluster:
         self.secrets: ClusterSecurity | None = None
         """Users, CA and properties files of a ``security="sasl"`` cluster (jar backend)."""
         self._security_state: dict[str, Any] = {}
+        self.proxied = proxied
+        """An EXTERNAL listener per broker, advertised on another port than it binds (jars
+        backend): clients reach the broker only through a proxy from ``proxy_ports`` to
+        ``external_ports`` (fault tests cut or delay that path)."""
 
     def __repr__(self) -> str:
         return (
@@ -345,6 +355,23 @@ class LocalKafkaCluster:
     def ssl_bootstrap_servers(self) -> str:
         """The SASL_SSL (SCRAM-SHA-512 over TLS) listeners of a ``security="sasl"`` cluster."""
         return self._listener_servers("ssl_port")
+
+    @property
+    def external_bootstrap_servers(self) -> str:
+        """The EXTERNAL listeners as advertised (the proxies' ports) of a ``proxied`` cluster."""
+        return self._listener_servers("proxy_port")
+
+    @property
+    def external_ports(self) -> list[int]:
+        """Where each broker's EXTERNAL listener is bound (the proxies' targets)."""
+        return [int(p) for p in self._listener_servers("external_port").replace(
+            "127.0.0.1:", "").split(",")]
+
+    @property
+    def proxy_ports(self) -> list[int]:
+        """The port each broker's EXTERNAL listener advertises (a proxy listens there)."""
+        return [int(p) for p in self._listener_servers("proxy_port").replace(
+            "127.0.0.1:", "").split(",")]
 
     def _listener_servers(self, attr: str) -> str:
         ports = [getattr(n, attr) for n in self.nodes]
@@ -416,6 +443,10 @@ class LocalKafkaCluster:
             props["listener.security.protocol.map"] += ",".join(
                 ["", "SASL_PLAINTEXT:SASL_PLAINTEXT", "SASL_SSL:SASL_SSL"])
             props.update(sec.broker_settings())
+        if node.external_port is not None:
+            props["listeners"] += f",EXTERNAL://127.0.0.1:{node.external_port}"
+            props["advertised.listeners"] += f",EXTERNAL://127.0.0.1:{node.proxy_port}"
+            props["listener.security.protocol.map"] += ",EXTERNAL:PLAINTEXT"
         props.update(self._settings())
         return props
 
@@ -492,6 +523,34 @@ class LocalKafkaCluster:
         else:
             self._launch(node)
         self.wait_until_ready(timeout or self.startup_timeout)
+
+    def broker_pid(self, index: int) -> int | None:
+        """The process id of broker ``index`` (jar backend; None for a container or no process)."""
+        node = self.nodes[index]
+        if self.backend == "docker" or node.pid is None or not pid_alive(node.pid, _MAIN_CLASS):
+            return None
+        return node.pid
+
+    def pause_broker(self, index: int) -> None:
+        """Freeze broker ``index`` (SIGSTOP, or ``docker pause``), as a long GC pause would."""
+        node = self.nodes[index]
+        if self.backend == "docker":
+            self._docker("pause", self._container(node))
+            return
+        pid = self.broker_pid(index)
+        if pid is None:
+            raise DevClusterError(f"broker {node.node_id} is not running")
+        os.kill(pid, signal.SIGSTOP)
+
+    def resume_broker(self, index: int) -> None:
+        """Let a paused broker ``index`` run again (SIGCONT, or ``docker unpause``)."""
+        node = self.nodes[index]
+        if self.backend == "docker":
+            self._docker("unpause", self._container(node))
+            return
+        pid = self.broker_pid(index)
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
 
     def is_running(self, index: int) -> bool:
         """Whether the process (or container) of broker ``index`` is alive."""
@@ -693,6 +752,10 @@ class LocalKafkaCluster:
             )
             for i in range(self.brokers)
         ]
+        if self.proxied:
+            extra = free_ports(2 * self.brokers)
+            for i, node in enumerate(self.nodes):
+                node.external_port, node.proxy_port = extra[2 * i], extra[2 * i + 1]
 
     def _set_up_security(self) -> None:
         """Create the SCRAM users and write the client properties files (no ACLs yet)."""
@@ -867,10 +930,11 @@ class LocalKafkaCluster:
         return result.stdout.strip()
 
     def _start_docker(self) -> None:
-        if self.security != "none":
+        if self.security != "none" or self.proxied:
             raise DevClusterError(
-                "security='sasl' needs the jars backend (Java 17 and Maven): the run's CA and "
-                "keystore are files the brokers read from the local disk")
+                "security='sasl' and proxied=True need the jars backend (Java 17 and Maven): "
+                "the run's CA and keystore are files the brokers read from the local disk, and "
+                "a proxied listener advertises a loopback port of this host")
         image = f"{DOCKER_IMAGE}:{self.kafka_version}"
         if _run(["docker", "image", "inspect", image]).returncode != 0:
             log.info("pulling %s", image)

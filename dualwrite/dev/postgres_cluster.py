@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -272,30 +272,33 @@ class LocalPostgres:
                 start_new_session=True, preexec_fn=parent_death_signal(), **run_as,
             )  # fmt: skip
         self._url = f"postgresql+psycopg://{USER}@127.0.0.1:{self.port}/{DATABASE}"
-        self._wait_and_create_db()
+        self._wait_for_server(
+            f"host=127.0.0.1 port={self.port} user={USER} dbname=postgres",
+            f"CREATE DATABASE {DATABASE}", what="PostgreSQL",
+            log=lambda: tail(self.data_dir / "postgres.log") if self.data_dir else "")
 
-    def _wait_and_create_db(self) -> None:
+    def _wait_for_server(self, dsn: str, statement: str, *, what: str,
+                         log: Callable[[], str]) -> None:
+        """Run ``statement`` (autocommit) once the server at ``dsn`` accepts connections."""
         import psycopg
 
         deadline = time.monotonic() + self.startup_timeout
-        admin_dsn = f"host=127.0.0.1 port={self.port} user={USER} dbname=postgres"
         while True:
             if self._proc is not None and self._proc.poll() is not None:
                 raise DevClusterError(
-                    f"postgres exited with code {self._proc.returncode} during startup:\n"
-                    f"{tail(self.data_dir / 'postgres.log') if self.data_dir else ''}"
+                    f"postgres exited with code {self._proc.returncode} during startup:\n{log()}"
                 )
             try:
-                with psycopg.connect(admin_dsn, autocommit=True, connect_timeout=2) as conn:
-                    conn.execute(f"CREATE DATABASE {DATABASE}")
+                with psycopg.connect(dsn, autocommit=True, connect_timeout=2) as conn:
+                    conn.execute(statement)
                 return
             except psycopg.OperationalError as e:
                 if time.monotonic() > deadline:
                     raise DevClusterError(
-                        f"PostgreSQL did not accept connections within {self.startup_timeout} s: "
-                        f"{e}\n{tail(self.data_dir / 'postgres.log') if self.data_dir else ''}"
+                        f"{what} did not accept connections within {self.startup_timeout} s: "
+                        f"{e}\n{log()}"
                     ) from e
-                time.sleep(0.1)
+            time.sleep(0.1)
 
     def _start_docker(self) -> None:
         (self.port,) = free_ports(1)
@@ -311,23 +314,7 @@ class LocalPostgres:
             raise DevClusterError(f"`docker run {DOCKER_IMAGE}` failed: {result.stderr.strip()}")
         self._container = name
         self._url = f"postgresql+psycopg://{USER}@127.0.0.1:{self.port}/{DATABASE}"
-        self._wait_for_docker()
-
-    def _wait_for_docker(self) -> None:
-        import psycopg
-
-        deadline = time.monotonic() + self.startup_timeout
-        while True:
-            try:
-                # The image's first (initdb) server listens on no TCP port, so a TCP
-                # connection only succeeds with the final server.
-                with psycopg.connect(self.dsn, connect_timeout=2) as conn:
-                    conn.execute("SELECT 1")
-                return
-            except psycopg.OperationalError as e:
-                if time.monotonic() > deadline:
-                    raise DevClusterError(
-                        f"PostgreSQL (docker) did not start within {self.startup_timeout} s: "
-                        f"{e}\n{self.log_text()[-3000:]}"
-                    ) from e
-            time.sleep(0.2)
+        # The image's first (initdb) server listens on no TCP port, so a TCP connection only
+        # succeeds with the final server.
+        self._wait_for_server(self.dsn, "SELECT 1", what="PostgreSQL (docker)",
+                              log=lambda: self.log_text()[-3000:])

@@ -1,12 +1,12 @@
 """The Kafka side: a Kafka transaction as a two-phase-commit participant.
 
 ``TwoPhaseProducer`` prepares and commits; ``PreparedTxnState`` names what it prepared;
-``complete`` finishes an in-doubt transaction from that name; ``ControlPlane`` speaks the
-coordinator RPCs librdkafka does not expose; ``kafka_errors`` turns Kafka error codes into
-dualwrite errors (the one translation layer for the Kafka side).
+``complete`` finishes an in-doubt transaction from that name and says what it did (``Outcome``);
+``ControlPlane`` speaks the coordinator RPCs librdkafka does not expose; ``kafka_errors`` turns
+Kafka error codes into dualwrite errors (the one translation layer for the Kafka side).
 """
 
-from dualwrite.participant.completion import Completion, complete
+from dualwrite.participant.completion import complete
 from dualwrite.participant.control_plane import (
     ControlPlane,
     ProbeResult,
@@ -14,13 +14,14 @@ from dualwrite.participant.control_plane import (
     TxnState,
 )
 from dualwrite.participant.identifiers import ProducerIdentity, TopicPartition
+from dualwrite.participant.outcome import Outcome
 from dualwrite.participant.prepared_state import Anchor, PreparedTxnState
 from dualwrite.participant.producer import TwoPhaseProducer
 
 __all__ = [
     "Anchor",
-    "Completion",
     "ControlPlane",
+    "Outcome",
     "PreparedTxnState",
     "ProbeResult",
     "ProducerIdentity",

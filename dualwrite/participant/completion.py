@@ -13,7 +13,6 @@ Used by :meth:`TwoPhaseProducer.complete_transaction` and by :func:`dualwrite.re
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 import uuid
@@ -39,11 +38,17 @@ from dualwrite.participant.control_plane import (
     TxnState,
 )
 from dualwrite.participant.identifiers import ProducerIdentity, TopicPartition
-from dualwrite.participant.kafka_errors import FatalKafkaError, FencedKafkaError, raise_for_code
+from dualwrite.participant.kafka_errors import (
+    FatalKafkaError,
+    FencedKafkaError,
+    librdkafka_error,
+    raise_for_code,
+)
+from dualwrite.participant.outcome import Outcome
 from dualwrite.participant.prepared_state import Anchor, PreparedTxnState
 
 __all__ = [
-    "Completion",
+    "Outcome",
     "OwnerAlive",
     "Prefetched",
     "committed_at_anchor",
@@ -57,19 +62,6 @@ log = logging.getLogger(__name__)
 _INVALID_TXN_STATE = 48
 # How often completion re-reads a transactional id that changed under it (a live writer racing).
 _RACE_ATTEMPTS = 5
-
-
-class Completion(enum.Enum):
-    """What completing a prepared state did."""
-
-    COMMITTED = "committed"
-    """The named transaction was still open and has now been committed."""
-    ALREADY_COMMITTED = "already-committed"
-    """The named transaction had committed before; nothing to do."""
-    ABORTED = "aborted"
-    """An open transaction that the state does not name was aborted."""
-    NOTHING = "nothing"
-    """No prepared state and nothing open."""
 
 
 @dataclass(frozen=True)
@@ -178,7 +170,7 @@ def end_open_transaction(cp: ControlPlane, transactional_id: str, state: Prepare
                          timeout_s: float = 30.0, prefetched: Prefetched | None = None,
                          owner_alive: OwnerAlive | None = None,
                          only_identity: ProducerIdentity | None = None
-                         ) -> tuple[Completion | None, TransactionDescription | None]:
+                         ) -> tuple[Outcome | None, TransactionDescription | None]:
     """First half of :func:`complete`: commit the open transaction if ``state`` names it, else
     abort it. Returns ``COMMITTED``, ``ABORTED`` or None (nothing was open), and the last
     description read. It returns only once the coordinator finished writing the markers (EndTxn
@@ -211,7 +203,7 @@ def end_open_transaction(cp: ControlPlane, transactional_id: str, state: Prepare
             log.info("commit in-doubt transaction transactional_id=%s producer_id=%d epoch=%d "
                      "state=%s", tid, desc.producer_id, desc.epoch, state)
             cp.end_transaction(tid, desc.producer_id, desc.epoch, commit=True)
-            return Completion.COMMITTED, _wait_until_settled(cp, tid, timeout_s, None)
+            return Outcome.COMMITTED, _wait_until_settled(cp, tid, timeout_s, None)
         log.info("abort open transaction not named by the prepared state transactional_id=%s "
                  "producer_id=%d epoch=%d state=%r", tid, desc.producer_id, desc.epoch, str(state))
         try:
@@ -224,7 +216,7 @@ def end_open_transaction(cp: ControlPlane, transactional_id: str, state: Prepare
             log.info("transactional_id=%s changed while aborting (%s); describing again", tid,
                      exc.info.name)
             continue
-        return Completion.ABORTED, _wait_until_settled(cp, tid, timeout_s, None)
+        return Outcome.ABORTED, _wait_until_settled(cp, tid, timeout_s, None)
     raise RetriableError(f"transactional id {tid!r} kept changing while being completed; "
                          "is a writer still running? retry recovery")
 
@@ -249,7 +241,7 @@ def _wait_for_live_owner(cp: ControlPlane, tid: str, state: PreparedTxnState, ti
 def complete(cp: ControlPlane, consumer_config: Mapping[str, Any], transactional_id: str,
              state: PreparedTxnState, *, timeout_s: float = 30.0,
              prefetched: Prefetched | None = None, owner_alive: OwnerAlive | None = None,
-             only_identity: ProducerIdentity | None = None) -> Completion:
+             only_identity: ProducerIdentity | None = None) -> Outcome:
     """Commit the transaction ``state`` names if it is open, abort any other open one.
 
     Idempotent: running it again after success returns ``ALREADY_COMMITTED`` or ``NOTHING``.
@@ -260,15 +252,15 @@ def complete(cp: ControlPlane, consumer_config: Mapping[str, Any], transactional
     done, desc = end_open_transaction(cp, tid, state, timeout_s=timeout_s,
                                       prefetched=prefetched, owner_alive=owner_alive,
                                       only_identity=only_identity)
-    if done is Completion.COMMITTED:
+    if done is Outcome.COMMITTED:
         return done
-    aborted_other = done is Completion.ABORTED
+    aborted_other = done is Outcome.ABORTED
     if state.is_empty:
-        return Completion.ABORTED if aborted_other else Completion.NOTHING
+        return Outcome.ABORTED if aborted_other else Outcome.NOTHING
     if _named_transaction_committed(cp, consumer_config, tid, state, desc, timeout_s):
         log.info("prepared transaction already committed transactional_id=%s producer_id=%d "
                  "epoch=%d state=%s", tid, state.producer_id, state.epoch, state)
-        return Completion.ABORTED if aborted_other else Completion.ALREADY_COMMITTED
+        return Outcome.ABORTED if aborted_other else Outcome.ALREADY_COMMITTED
     detail = "aborted by Kafka"
     if desc is not None and desc.producer_id == state.producer_id and desc.epoch > state.epoch:
         detail = (f"the coordinator's epoch is now {desc.epoch} (state {desc.state.value}): "
@@ -320,7 +312,8 @@ def _consumer(consumer_config: Mapping[str, Any], isolation: str) -> Consumer:
     try:
         return Consumer(conf)
     except KafkaException as exc:
-        raise FatalError(f"cannot create a Kafka consumer from the configuration: {exc}") from exc
+        raise librdkafka_error(exc, "cannot create a Kafka consumer from the configuration",
+                               otherwise=FatalError) from exc
 
 
 def _left(deadline: float) -> float:
@@ -343,7 +336,8 @@ def _anchor_unreadable(consumer_config: Mapping[str, Any], tp: TopicPartition, o
         low, high = consumer.get_watermark_offsets(
             CKTopicPartition(tp.topic, tp.partition), timeout=_left(deadline))
     except KafkaException as exc:
-        raise RetriableError(f"reading the offsets of {tp}: {exc}") from exc
+        raise librdkafka_error(exc, f"reading the offsets of {tp}",
+                               otherwise=RetriableError) from exc
     finally:
         consumer.close()
     if low > offset:
@@ -380,7 +374,8 @@ def _first_offset_at(consumer_config: Mapping[str, Any], tp: TopicPartition, off
                     raise_for_code(err.code(), f"Fetch {tp} at {offset}: {err.str()}",
                                    resource=tp.topic)
                 if err.code() != KafkaError._PARTITION_EOF:
-                    raise RetriableError(f"reading {tp} at {offset}: {err}")
+                    raise librdkafka_error(KafkaException(err), f"reading {tp} at {offset}",
+                                           otherwise=RetriableError)
                 position = consumer.position([CKTopicPartition(tp.topic, tp.partition)])[0].offset
                 if position != OFFSET_INVALID and position > offset:
                     return int(position)  # read past the anchor and nothing was returned
@@ -389,7 +384,8 @@ def _first_offset_at(consumer_config: Mapping[str, Any], tp: TopicPartition, off
             if msg_offset is not None and msg_offset >= offset:
                 return int(msg_offset)
     except KafkaException as exc:
-        raise RetriableError(f"reading {tp} at {offset} ({isolation}): {exc}") from exc
+        raise librdkafka_error(exc, f"reading {tp} at {offset} ({isolation})",
+                               otherwise=RetriableError) from exc
     finally:
         consumer.close()
     raise OutcomeUnknownError(
@@ -404,7 +400,8 @@ def _resolve_hashed_anchor(consumer_config: Mapping[str, Any], anchor: Anchor,
     try:
         topics = consumer.list_topics(timeout=timeout_s).topics
     except KafkaException as exc:
-        raise RetriableError(f"listing the cluster's topics: {exc}") from exc
+        raise librdkafka_error(exc, "listing the cluster's topics",
+                               otherwise=RetriableError) from exc
     finally:
         consumer.close()
     candidates = {TopicPartition(t, anchor.partition) for t in topics}

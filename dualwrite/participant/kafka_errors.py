@@ -1,16 +1,25 @@
-"""Kafka protocol error codes as data, and the dualwrite exception each one becomes."""
+"""Kafka error codes as data, and the dualwrite exception each one becomes.
+
+The one translation layer of the Kafka side: broker error codes met by the control plane
+(:func:`raise_for_code`) and librdkafka's errors met by the producer and the anchor reads
+(:func:`librdkafka_error`).
+"""
 
 from __future__ import annotations
 
 import re
 
 import kafka.errors as kafka_errors
+from confluent_kafka import KafkaError, KafkaException
 
 from dualwrite.errors import (
+    BrokerUnreachableError,
+    DualWriteError,
     FatalError,
     KafkaErrorInfo,
     KafkaProtocolError,
     ProducerFencedError,
+    RecoverableError,
     RetriableError,
 )
 
@@ -21,6 +30,8 @@ __all__ = [
     "FencedKafkaError",
     "RetriableKafkaError",
     "error_info",
+    "hides_its_cause",
+    "librdkafka_error",
     "raise_for_code",
     "required_acl",
 ]
@@ -171,3 +182,73 @@ def raise_for_code(code: int, context: str, *, resource: str | None = None) -> N
     if info.retriable:
         raise RetriableKafkaError(info, context)
     raise FatalKafkaError(info, context)
+
+
+# librdkafka's errors (confluent_kafka.KafkaError) whose code decides the dualwrite class, with
+# the advice added to the message. Broker codes keep their protocol numbers (47, 90, 29 …);
+# librdkafka's own are negative (_FENCED).
+_FENCED_ADVICE = "another producer with this transactional id took over — stop this one"
+_ACL_ADVICE = ("grant the missing ACL (WRITE on the transactional id and topics, "
+               "IDEMPOTENT_WRITE on the cluster; READ on the topics for recovery's anchor "
+               "check; see README.md, \"Secured clusters\")")
+_LIBRDKAFKA_BY_CODE: dict[int, tuple[type[DualWriteError], str]] = {
+    KafkaError._FENCED: (ProducerFencedError, _FENCED_ADVICE),
+    KafkaError.PRODUCER_FENCED: (ProducerFencedError, _FENCED_ADVICE),
+    KafkaError.INVALID_PRODUCER_EPOCH: (ProducerFencedError, _FENCED_ADVICE),
+    KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED: (FatalError, _ACL_ADVICE),
+    KafkaError.TOPIC_AUTHORIZATION_FAILED: (FatalError, _ACL_ADVICE),
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED: (FatalError, _ACL_ADVICE),
+}
+# Retriable errors that mean no broker answered in time.
+_UNREACHABLE_CODES = frozenset({KafkaError._TIMED_OUT, KafkaError._TRANSPORT,
+                                KafkaError._ALL_BROKERS_DOWN})
+
+
+def _librdkafka_cause(exc: BaseException) -> KafkaError | None:
+    """The librdkafka error ``exc`` carries: confluent-kafka raises a fatal error from inside a
+    delivery callback as SystemError caused by the KafkaException."""
+    while not isinstance(exc, KafkaException) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    if isinstance(exc, KafkaException) and isinstance(exc.args[0], KafkaError):
+        return exc.args[0]
+    return None
+
+
+def hides_its_cause(exc: BaseException) -> bool:
+    """Whether ``exc`` does not carry the librdkafka error that caused it: a bare SystemError
+    (confluent-kafka leaving a callback), or ``_FATAL``, which librdkafka answers every call
+    with once the client hit a fatal error. The error itself reaches the client's ``error_cb``.
+    """
+    if not isinstance(exc, KafkaException):
+        return True
+    err = exc.args[0]
+    return isinstance(err, KafkaError) and err.code() == KafkaError._FATAL
+
+
+def librdkafka_error(exc: BaseException, context: str, *,
+                     otherwise: type[DualWriteError] = RecoverableError) -> DualWriteError:
+    """The dualwrite exception for a confluent-kafka failure; ``context`` says what failed.
+
+    The code decides where the table above lists it (a fence is always
+    :class:`ProducerFencedError`); else librdkafka's flags: fatal is :class:`FatalError`,
+    retriable :class:`RetriableError`. Anything else is ``otherwise``: :class:`RecoverableError`
+    for the producer (its transaction must be aborted), :class:`RetriableError` for a read that
+    decided nothing. A retriable one that no broker answered is
+    :class:`BrokerUnreachableError`.
+    """
+    err = _librdkafka_cause(exc)
+    if err is None:
+        return otherwise(f"{context}: {exc!r}")
+    text = f"{context}: {err.name()} ({err.str()})"
+    by_code = _LIBRDKAFKA_BY_CODE.get(err.code())
+    if by_code is not None:
+        error_class, advice = by_code
+        return error_class(f"{text}; {advice}")
+    if err.fatal():
+        return FatalError(text)
+    retriable = err.retriable() or issubclass(otherwise, RetriableError)
+    if retriable and err.code() in _UNREACHABLE_CODES:
+        return BrokerUnreachableError(text)
+    if err.retriable():
+        return RetriableError(text)
+    return otherwise(text)

@@ -27,9 +27,12 @@ from dualwrite.errors import (
     RetriableError,
     TransactionStateError,
 )
-from dualwrite.participant.completion import Completion, OwnerAlive, complete
+from dualwrite.participant.completion import OwnerAlive, complete
 from dualwrite.participant.control_plane import ControlPlane, TxnState
+from dualwrite.participant.coordinator_link import CoordinatorLinkWatch
 from dualwrite.participant.identifiers import ProducerIdentity, TopicPartition
+from dualwrite.participant.kafka_errors import hides_its_cause, librdkafka_error
+from dualwrite.participant.outcome import Outcome
 from dualwrite.participant.prepared_state import PreparedTxnState
 
 __all__ = ["TwoPhaseProducer"]
@@ -47,32 +50,6 @@ class _Phase(enum.Enum):
     PREPARED = "prepared"
     FAILED = "failed"
     CLOSED = "closed"
-
-
-def _translate(exc: BaseException, what: str) -> DualWriteError:
-    """Turn a librdkafka error into the dualwrite exception the caller can act on."""
-    # confluent-kafka raises a fatal error from inside a delivery callback as SystemError with
-    # the KafkaException as its cause.
-    while not isinstance(exc, KafkaException) and exc.__cause__ is not None:
-        exc = exc.__cause__
-    if not isinstance(exc, KafkaException) or not isinstance(exc.args[0], KafkaError):
-        return RecoverableError(f"{what}: {exc!r}")
-    err: KafkaError = exc.args[0]
-    text = f"{what}: {err.name()} ({err.str()})"
-    if err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
-                      KafkaError.INVALID_PRODUCER_EPOCH):
-        return ProducerFencedError(text + "; another producer with this transactional id took "
-                                   "over — stop this one")
-    if err.code() in (KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
-                      KafkaError.TOPIC_AUTHORIZATION_FAILED,
-                      KafkaError.CLUSTER_AUTHORIZATION_FAILED):
-        return FatalError(text + "; grant the missing ACL (WRITE on the transactional id and "
-                          "topics, IDEMPOTENT_WRITE on the cluster)")
-    if err.fatal():
-        return FatalError(text)
-    if err.retriable():
-        return RetriableError(text)
-    return RecoverableError(text)
 
 
 class TwoPhaseProducer:
@@ -99,13 +76,14 @@ class TwoPhaseProducer:
             if probe.max_transaction_timeout_ms:
                 self._config["transaction.timeout.ms"] = probe.max_transaction_timeout_ms
         self._config.setdefault("error_cb", self._on_error)
+        self._link = CoordinatorLinkWatch(self._config)
         self._fatal: KafkaError | None = None
         self._producer: Producer | None = None
         self._phase = _Phase.NEW
         self._identity: ProducerIdentity | None = None
         self._first_offsets: dict[TopicPartition, int] = {}
         self._first_raw: dict[tuple[Any, Any], Any] = {}
-        self._delivery_errors: list[str] = []
+        self._delivery_errors: list[tuple[str, KafkaError]] = []
         self._failed_topics: set[str] = set()
         self._delivered = self._record_delivery  # one bound method, not one per record
         self._produced = 0
@@ -142,10 +120,10 @@ class TwoPhaseProducer:
     def _fail(self, exc: BaseException, what: str) -> DualWriteError:
         """Mark the transaction failed and return the exception to raise."""
         self._phase = _Phase.FAILED
-        if not isinstance(exc, KafkaException):
+        if hides_its_cause(exc):
             if self._fatal is None and self._producer is not None:
-                # confluent-kafka can fail a flush with a bare SystemError when librdkafka hit a
-                # fatal error (e.g. fenced) before the error callback was served: serve it now.
+                # librdkafka hit a fatal error (e.g. fenced) before the error callback was
+                # served: serve it now.
                 with contextlib.suppress(KafkaException, SystemError):
                     self._producer.poll(0)
             if self._fatal is not None:
@@ -153,7 +131,7 @@ class TwoPhaseProducer:
             elif self.fenced_at_coordinator():
                 return ProducerFencedError(f"{what}: {self._ids()} was fenced by a newer "
                                            "producer of the same transactional id")
-        return _translate(exc, what)
+        return librdkafka_error(exc, what)
 
     def fenced_at_coordinator(self) -> bool:
         """Whether the coordinator now has another producer id or epoch for this id (a newer
@@ -218,7 +196,7 @@ class TwoPhaseProducer:
         try:
             producer.init_transactions(self._timeout_s)
         except KafkaException as exc:
-            raise _translate(exc, f"init_transactions({self._tid})") from exc
+            raise librdkafka_error(exc, f"init_transactions({self._tid})") from exc
         self._producer = producer
         desc = self._cp.describe_transaction(self._tid)
         if desc is None:
@@ -229,7 +207,7 @@ class TwoPhaseProducer:
         log.info("initialised %s", self._ids())
 
     def complete_transaction(self, state: PreparedTxnState | str, *,
-                             owner_alive: OwnerAlive | None = None) -> Completion:
+                             owner_alive: OwnerAlive | None = None) -> Outcome:
         """Commit the in-doubt transaction if ``state`` names it, otherwise abort it.
 
         ``state`` is what the database holds (the decision). If the named transaction already
@@ -241,16 +219,16 @@ class TwoPhaseProducer:
         if isinstance(state, str):
             state = PreparedTxnState.parse(state)
         if self._phase is _Phase.READY and self.last_committed == state:
-            return Completion.ALREADY_COMMITTED  # this session committed it itself
+            return Outcome.ALREADY_COMMITTED  # this session committed it itself
         self._require(_Phase.AWAITING_COMPLETION, _Phase.READY, _Phase.PREPARED,
                       verb="complete_transaction")
         if self._phase is _Phase.PREPARED:
             # Same process: we know our own prepared transaction.
             if state == self._prepared:
                 self.commit_transaction()
-                return Completion.COMMITTED
+                return Outcome.COMMITTED
             self.abort_transaction()
-            return Completion.ABORTED
+            return Outcome.ABORTED
         try:
             outcome = complete(self._cp, self._config, self._tid, state,
                                timeout_s=self._timeout_s, owner_alive=owner_alive)
@@ -273,7 +251,7 @@ class TwoPhaseProducer:
         try:
             self._producer.begin_transaction()
         except KafkaException as exc:
-            raise _translate(exc, "begin_transaction") from exc
+            raise librdkafka_error(exc, "begin_transaction") from exc
         self._first_offsets = {}
         self._first_raw = {}
         self._delivery_errors = []
@@ -371,7 +349,7 @@ class TwoPhaseProducer:
         producer is idempotent), so the first report of a partition carries its first offset.
         """
         if err is not None:
-            self._delivery_errors.append(f"{msg.topic()}[{msg.partition()}]: {err.str()}")
+            self._delivery_errors.append((f"{msg.topic()}[{msg.partition()}]", err))
             self._failed_topics.add(str(msg.topic()))
             return
         self._first_raw.setdefault((msg.topic(), msg.partition()), msg.offset())
@@ -396,6 +374,10 @@ class TwoPhaseProducer:
                                  f"abort_transaction() and retry ({self._ids()})")
         if self._delivery_errors:
             self._phase = _Phase.FAILED
+            for where, err in self._delivery_errors:
+                failed = librdkafka_error(KafkaException(err), f"delivery to {where}")
+                if isinstance(failed, ProducerFencedError):
+                    raise failed
             # librdkafka purges the records of a transaction whose AddPartitionsToTxn failed
             # (e.g. TOPIC_AUTHORIZATION_FAILED) and reports only "Purged in queue".
             try:
@@ -407,8 +389,9 @@ class TwoPhaseProducer:
                     f"{len(self._delivery_errors)} records failed delivery: Missing ACL: grant "
                     f"{', '.join(missing)} to this principal (see README.md, \"Secured "
                     f"clusters\"); {self._ids()}")
+            where, err = self._delivery_errors[0]
             raise RetriableError(f"{len(self._delivery_errors)} records failed delivery (first: "
-                                 f"{self._delivery_errors[0]}); abort_transaction() and retry")
+                                 f"{where}: {err.str()}); abort_transaction() and retry")
         self._first_offsets = {TopicPartition(str(t), int(p)): int(o)
                                for (t, p), o in self._first_raw.items()}
         if not self._first_offsets:
@@ -431,11 +414,13 @@ class TwoPhaseProducer:
         ident = self._identity
         assert ident is not None
         problem = None
+        error_class: type[DualWriteError] = RecoverableError
         if desc is None:
             problem = "the coordinator does not know the transactional id"
         elif (desc.producer_id, desc.epoch) != (ident.producer_id, ident.epoch):
             problem = (f"the coordinator has producer_id={desc.producer_id} "
                        f"epoch={desc.epoch}: this producer was fenced")
+            error_class = ProducerFencedError
         elif desc.state is not TxnState.ONGOING:
             problem = f"the transaction is {desc.state.value}, not Ongoing (broker timeout?)"
         else:
@@ -444,8 +429,7 @@ class TwoPhaseProducer:
                 problem = f"the coordinator does not list partitions {sorted(map(str, missing))}"
         if problem is not None:
             self._phase = _Phase.FAILED
-            err = ProducerFencedError if "fenced" in problem else RecoverableError
-            raise err(f"prepare failed for {self._ids()}: {problem}")
+            raise error_class(f"prepare failed for {self._ids()}: {problem}")
         log.debug("prepared %s state=%s", self._ids(), self._prepared)
 
     def prepare_transaction(self) -> PreparedTxnState:
@@ -474,6 +458,7 @@ class TwoPhaseProducer:
             self.flush_and_state()
         assert self._producer is not None
         state = self._prepared or PreparedTxnState.empty()
+        troubles = self._link.troubles
         try:
             self._commit_with_retries()
         except KafkaException as exc:
@@ -481,10 +466,11 @@ class TwoPhaseProducer:
             log.warning("commit failed for %s (%s); asking the coordinator", self._ids(),
                         exc.args[0])
             if state.is_empty:
-                raise _translate(exc, "commit_transaction") from exc
+                raise librdkafka_error(exc, "commit_transaction") from exc
             self._resolve_failed_commit(state, exc)
         else:
             self._phase = _Phase.READY
+            self._fence_late_endtxn(troubles)
         self.last_committed = state
         log.info("committed %s state=%s", self._ids(), state)
 
@@ -537,6 +523,25 @@ class TwoPhaseProducer:
                     continue
                 raise
 
+    def _fence_late_endtxn(self, troubles: int) -> None:
+        """Start a new session (a new epoch) if librdkafka may have sent this commit's EndTxn
+        twice: a late first copy, fenced by the epoch, then cannot end the next transaction."""
+        assert self._producer is not None
+        with contextlib.suppress(KafkaException, SystemError):
+            self._producer.poll(0)  # serves the queued log lines
+        if self._link.troubles == troubles:
+            return
+        log.warning("the coordinator connection of %s failed during its commit: librdkafka may "
+                    "have sent EndTxn twice; starting a new session so that a late copy cannot "
+                    "end the next transaction (KAFKA-17754)", self._ids())
+        try:
+            self._restart_session()
+        except DualWriteError as exc:
+            # Committed all the same; the next transaction must not reuse this epoch.
+            self._phase = _Phase.FAILED
+            log.warning("no new session for %s yet (%s); the next transaction starts one",
+                        self._ids(), exc)
+
     def _drop_handle(self) -> None:
         """Forget the librdkafka handle without close(), which would abort an open transaction."""
         if self._producer is not None:
@@ -564,7 +569,7 @@ class TwoPhaseProducer:
             self._producer.abort_transaction(self._timeout_s)
         except KafkaException as exc:
             self._phase = _Phase.FAILED
-            raise _translate(exc, "abort_transaction") from exc
+            raise librdkafka_error(exc, "abort_transaction") from exc
         self._phase = _Phase.READY
         self._prepared = None
         log.info("aborted %s", self._ids())

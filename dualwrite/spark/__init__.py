@@ -2,6 +2,7 @@
 
 ``df.writeStream.foreachBatch(ExactlyOnceSink(sink_id=..., kafka_config=..., topic=...))`` writes
 each micro-batch to a Kafka topic (and optionally a SQL table) exactly once; see spark/README.md.
+:mod:`dualwrite.spark.faults` is its fault-injection seam (for the crash tests).
 """
 
 from dualwrite.batch.coordinator import BatchTimings, SinkRecovery

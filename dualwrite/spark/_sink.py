@@ -17,8 +17,8 @@ from dualwrite.database import create_engine, mask_url, upgrade_database
 from dualwrite.errors import DualWriteError, FatalError, RetriableError
 from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.participant.prepared_state import PreparedTxnState
-from dualwrite.spark import _faults
 from dualwrite.spark._task import KEY, RESULT_SCHEMA, VALUE, TaskPlan, write_partition
+from dualwrite.spark.faults import DriverFaults
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,9 @@ class ExactlyOnceSink:
             raise ValueError("max_participants must be at least 1")
         self._max_participants = max_participants
         self._coordinator: BatchCoordinator | None = None
+        self._control_plane: ControlPlane | None = None
+        """The sink's own client, lent to its coordinator; :meth:`close` closes it."""
+        self._faults = DriverFaults()
         self._needs_recovery = False
         self._start_lock = threading.Lock()
         self.recovery: SinkRecovery | None = None
@@ -94,7 +97,8 @@ class ExactlyOnceSink:
                 staging = StagingTable(engine, self.target_table, self._table_columns)
                 staging.create()
                 self._table_columns = staging.columns
-            cp = ControlPlane(self._kafka_config, timeout_s=self._timeout_s)
+            cp = self._control_plane = ControlPlane(self._kafka_config,
+                                                    timeout_s=self._timeout_s)
             if "transaction.timeout.ms" not in self._kafka_config:
                 # Participants must outlive a driver restart: ask for the broker's maximum.
                 probe = cp.probe(check_2pc=False)
@@ -102,8 +106,7 @@ class ExactlyOnceSink:
                     self._kafka_config["transaction.timeout.ms"] = probe.max_transaction_timeout_ms
             coordinator = BatchCoordinator(self.sink_id, engine, self._kafka_config,
                                            staging=staging, control_plane=cp,
-                                           timeout_s=self._timeout_s)
-            coordinator.phase_hook = _faults.driver_point
+                                           timeout_s=self._timeout_s, hooks=self._faults)
             log.info("sink=%s starting on %s: recovering the last run", self.sink_id,
                      mask_url(engine.url))
             self.recovery = coordinator.recover()
@@ -146,7 +149,7 @@ class ExactlyOnceSink:
             participants = [Participant(r.partition_id, r.transactional_id,
                                         PreparedTxnState.parse(r.state), r.records,
                                         r.attempt_key) for r in rows]
-            _faults.driver_point("prepared", batch_id)
+            self._faults.at("prepared", batch_id)
             try:
                 # RetriableError only while the batch is not decided; after the decision, a
                 # failure to complete it is a RecoverableError, and the tasks never run again.
@@ -178,5 +181,7 @@ class ExactlyOnceSink:
                 log.warning("sink=%s could not abort lingering transactions on close (%s); "
                             "the next run or `dualwrite recover` will", self.sink_id, exc)
             self._coordinator.close()
-            self._coordinator.cp.close()
             self._coordinator = None
+        if self._control_plane is not None:
+            self._control_plane.close()
+            self._control_plane = None

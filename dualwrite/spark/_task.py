@@ -19,12 +19,12 @@ import pyarrow as pa
 from pyspark import TaskContext
 from sqlalchemy import Engine, make_url
 
-from dualwrite.batch.coordinator import transactional_id
 from dualwrite.batch.decision_log import StagingTable
+from dualwrite.batch.naming import transactional_id
 from dualwrite.database import create_engine, mask_url
 from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.participant.producer import TwoPhaseProducer
-from dualwrite.spark import _faults
+from dualwrite.spark import faults
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def write_partition(plan: TaskPlan, batches: Iterator[pa.RecordBatch]
             if producer is None:
                 producer = starting.result()
                 producer.begin_transaction()
-                _faults.task_point("producing", partition_id, attempt, plan.batch_id)
+                faults.task_point("producing", partition_id, attempt, plan.batch_id)
             keys = _as_bytes(batch.column(KEY).to_pylist())
             values = _as_bytes(batch.column(VALUE).to_pylist())
             producer.produce_many(plan.topic, zip(keys, values, strict=True))
@@ -169,7 +169,7 @@ def write_partition(plan: TaskPlan, batches: Iterator[pa.RecordBatch]
         return
     state = producer.prepare_transaction()
     producer.close()  # drops the handle; the transaction stays open for the driver
-    _faults.task_point("prepared", partition_id, attempt, plan.batch_id)
+    faults.task_point("prepared", partition_id, attempt, plan.batch_id)
     log.info("sink=%s batch=%d partition=%d attempt=%d prepared transactional_id=%s state=%s "
              "records=%d", plan.sink_id, plan.batch_id, partition_id, attempt, tid, state,
              records)

@@ -1,10 +1,11 @@
 """The writer role: KIP-939's dual-write recipe for a service's own transactions.
 
 ``DualWriter`` runs the recipe as one ``with`` block; ``StateStore`` is the prepared-state table
-it writes with the application's rows; ``Leases`` say which writer may end an id's transactions.
+it writes with the application's rows; ``Leases`` say which writer may end an id's transactions;
+``PhaseHooks`` names the points of the recipe (for fault injection and observability).
 """
 
-from dualwrite.writer.dual_writer import DualWriter, DualWriteTransaction
+from dualwrite.writer.dual_writer import DualWriter, DualWriteTransaction, PhaseHooks
 from dualwrite.writer.lease import Leases
 from dualwrite.writer.state_store import StateRow, StateStore
 
@@ -12,6 +13,7 @@ __all__ = [
     "DualWriteTransaction",
     "DualWriter",
     "Leases",
+    "PhaseHooks",
     "StateRow",
     "StateStore",
 ]

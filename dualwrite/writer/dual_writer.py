@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -42,7 +42,7 @@ from dualwrite.participant.producer import Headers, TwoPhaseProducer
 from dualwrite.writer.lease import Lease, Leases
 from dualwrite.writer.state_store import StateRow, StateStore, writer_connection
 
-__all__ = ["DualWriteTransaction", "DualWriter"]
+__all__ = ["DualWriteTransaction", "DualWriter", "PhaseHooks"]
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +53,66 @@ _CLAIM_ATTEMPTS = 5
 
 _Record = tuple[str, bytes | str | None, bytes | str | None, int | None, Headers | None]
 
+LateLock = Callable[[TwoPhaseProducer, Sequence[_Record]], tuple[Connection, TwoPhaseProducer]]
+"""Takes a transaction's deferred state-row lock, given its producer and the records it sent
+before; returns the connection and producer the transaction goes on with (both new if it had to
+start over). Raises, with nothing of the transaction left open under a new producer, if it
+cannot."""
+
+
+class PhaseHooks:
+    """Named points of the writer's protocol: the fault-injection and observability seam.
+
+    Pass a subclass as ``DualWriter(hooks=...)`` and override the points of interest; the base
+    class does nothing. Each is called at the point its name says, in the thread running the
+    transaction (``verified`` excepted); a transaction that starts over (docs/design.md,
+    "Claims") passes ``locked`` and ``kafka_begun`` again. An exception a hook raises fails the
+    transaction there, as if the next step had failed (after ``kafka_committed`` it only
+    propagates); the crash tests stop the process at a point and kill it.
+    """
+
+    def kafka_begun(self) -> None:
+        """The Kafka transaction has begun (librdkafka's begin is local; nothing is sent)."""
+
+    def before_late_lock(self, records_sent: int) -> None:
+        """The writer is about to take its deferred state-row lock: after the block's first
+        record (``records_sent`` 1, which may already be in the log), or at its first use of
+        ``tx.connection`` or its end (0)."""
+
+    def locked(self) -> None:
+        """The state row is locked under this writer's claim and the stored state settled."""
+
+    def prepared(self, state: PreparedTxnState) -> None:
+        """The records are flushed and acknowledged; ``state`` names the transaction."""
+
+    def verified(self, state: PreparedTxnState) -> None:
+        """The coordinator confirmed the prepared transaction. Called on the writer's helper
+        thread, while the state row is being written; only when verification runs."""
+
+    def database_committed(self, state: PreparedTxnState) -> None:
+        """The database committed ``state``, the decision; Kafka's commit comes next."""
+
+    def kafka_committed(self, state: PreparedTxnState) -> None:
+        """Kafka committed the transaction too: it is complete."""
+
+
+_NO_HOOKS = PhaseHooks()
+
 
 class DualWriteTransaction:
-    """Handle for the body of ``DualWriter.transaction()``: a DB connection and ``produce``."""
+    """Handle for the body of ``DualWriter.transaction()``: a DB connection and ``produce``.
+
+    Once a writer's session is established it begins with no connection and a ``late_lock``
+    (:data:`LateLock`), taken at the block's first record or first use of :attr:`connection`.
+    """
 
     def __init__(self, connection: Connection | None, producer: TwoPhaseProducer,
-                 take_lock: Callable[[DualWriteTransaction], None] | None = None) -> None:
+                 late_lock: LateLock | None = None) -> None:
         self._connection = connection
         self._producer = producer
-        self._take_lock = take_lock
-        self._unlocked: list[_Record] = []
+        self._late_lock = late_lock
+        self._sent: list[_Record] = []
+        """Records produced before the lock, sent again should the transaction start over."""
         self.state: PreparedTxnState | None = None
         """The prepared state, set once the block has prepared (for logging and tests)."""
 
@@ -73,8 +123,7 @@ class DualWriteTransaction:
         The first use may take the state-row lock (unless a record was produced first, which
         takes it instead, while the record travels).
         """
-        if self._take_lock is not None:
-            self._take_lock(self)
+        self._take_late_lock()
         assert self._connection is not None
         return self._connection
 
@@ -83,11 +132,21 @@ class DualWriteTransaction:
                 headers: Headers | None = None) -> None:
         """Send a record in this transaction; it becomes visible iff the rows commit."""
         self._producer.produce(topic, value, key, partition=partition, headers=headers)
-        if self._take_lock is not None:
-            # The first record is on its way (AddPartitionsToTxn first): lock now, and keep the
-            # record to send again should the transaction start over.
-            self._unlocked.append((topic, value, key, partition, headers))
-            self._take_lock(self)
+        if self._late_lock is not None:
+            # The first record is on its way (AddPartitionsToTxn first): lock now.
+            self._sent.append((topic, value, key, partition, headers))
+            self._take_late_lock()
+
+    def bound(self) -> tuple[Connection | None, TwoPhaseProducer]:
+        """The connection (None until the deferred lock is taken) and the producer the
+        transaction uses now, without taking the lock: what the DualWriter ends it with."""
+        return self._connection, self._producer
+
+    def _take_late_lock(self) -> None:
+        late_lock, self._late_lock = self._late_lock, None
+        if late_lock is not None:
+            sent, self._sent = self._sent, []
+            self._connection, self._producer = late_lock(self._producer, sent)
 
 
 class DualWriter:
@@ -125,16 +184,21 @@ class DualWriter:
     stays usable and the next :meth:`transaction` reconnects. An exception raised by the
     application's own statements inside the block (its ``IntegrityError``, say) is the
     application's: it propagates unchanged, after both sides were rolled back.
+
+    ``hooks``: a :class:`PhaseHooks` called at the named points of the protocol (fault injection
+    in the crash tests, observability); none by default.
     """
 
     def __init__(self, engine: Engine | str, kafka_config: Mapping[str, Any], *,
                  transactional_id: str | None = None,
                  on_heuristic_abort: HeuristicHook | None = None,
                  timeout_s: float = 30.0, state_store: StateStore | None = None,
-                 verify: Literal["auto", "always"] = "auto") -> None:
+                 verify: Literal["auto", "always"] = "auto",
+                 hooks: PhaseHooks | None = None) -> None:
         if verify not in ("auto", "always"):
             raise ValueError(f"verify must be 'auto' or 'always', not {verify!r}")
         self._verify_mode = verify
+        self._hooks = hooks if hooks is not None else _NO_HOOKS
         try:
             self._engine = create_engine(engine) if isinstance(engine, str) else engine
         except (sa.exc.ArgumentError, ValueError) as exc:  # the text may show the password
@@ -274,30 +338,35 @@ class DualWriter:
         producer = self.producer
         if self._generation is not None and self._lease is not None and producer.ready:
             producer.begin_transaction()
-            tx = DualWriteTransaction(None, producer, self._take_deferred_lock)
+            tx = DualWriteTransaction(None, producer, self._lock_late)
         else:
             conn = self._lock_and_settle(producer)
             try:
+                self._hooks.locked()
                 producer.begin_transaction()
             except BaseException:
                 self._rollback(conn)
                 raise
             tx = DualWriteTransaction(conn, producer)
         try:
+            self._hooks.kafka_begun()
             yield tx
-            conn, producer = tx.connection, tx._producer
+            conn = tx.connection  # takes the deferred lock if the block did not
+            _, producer = tx.bound()
             state = producer.flush_and_state()
             tx.state = state
+            self._hooks.prepared(state)
             verify = self._needs_verification(producer)
             if verify:
                 # The coordinator round trip overlaps the state-row write.
-                verified = self._helper.submit(producer.verify_prepared)
+                verified = self._helper.submit(self._verify, producer, state)
                 self._store.write(conn, self._tid, str(state))
                 verified.result()
         except BaseException:
-            if tx._connection is not None:
-                self._rollback(tx._connection)
-            self._abort_quietly(tx._producer)
+            held, producer = tx.bound()
+            if held is not None:
+                self._rollback(held)
+            self._abort_quietly(producer)
             raise
         try:
             self._decide(conn, producer, state, state_written=verify)
@@ -307,16 +376,31 @@ class DualWriter:
             self._generation = self._claimed = None
             raise
         self._settled = str(state)
+        self._hooks.kafka_committed(state)
 
-    def _take_deferred_lock(self, tx: DualWriteTransaction) -> None:
-        """Lock after the block's first record or at its first use of the database (or at its
-        end); start over if anyone claimed the id meanwhile."""
-        tx._take_lock = None
-        unlocked, tx._unlocked = tx._unlocked, []
-        tx._connection, row = self._begin_and_lock()
+    def _verify(self, producer: TwoPhaseProducer, state: PreparedTxnState) -> None:
+        """The coordinator check, on the helper thread."""
+        producer.verify_prepared()
+        self._hooks.verified(state)
+
+    def _lock_late(self, producer: TwoPhaseProducer, sent: Sequence[_Record]
+                   ) -> tuple[Connection, TwoPhaseProducer]:
+        """The deferred lock (:data:`LateLock`), after the block's first record or at its first
+        use of the database (or at its end); start over if anyone claimed the id meanwhile.
+
+        ``producer`` runs the transaction, ``sent`` are the records it produced so far. Returns
+        the connection holding the lock and the producer to go on with.
+        """
+        self._hooks.before_late_lock(len(sent))
+        conn, row = self._begin_and_lock()
         if (row.fencing_generation == self._generation
                 and row.prepared_txn_state in ("", self._settled)):
-            return
+            try:
+                self._hooks.locked()
+            except BaseException:
+                self._rollback(conn)
+                raise
+            return conn, producer
         # Someone claimed the id since this writer's claim (recovery, a new writer, or this one
         # after a failure): they may have ended or fenced the transaction whose records already
         # left. Only those records exist so far; abort them and begin again under a claim of
@@ -325,26 +409,28 @@ class DualWriter:
                     "%d, this writer's %s) before its lock was granted; starting the "
                     "transaction over", self._tid, row.fencing_generation, self._generation)
         self._generation = None
-        self._rollback(tx._connection)
-        tx._connection = None
-        left = self._flush_quietly(tx._producer) if unlocked else None
-        self._abort_after_claim(tx._producer)
+        self._rollback(conn)
+        left = self._flush_quietly(producer) if sent else None
+        self._abort_after_claim(producer)
         fresh = self._producer is None
-        producer = self.producer  # a new session (and claim) if the old one had to go
-        conn = self._lock_and_settle(producer, claim=not fresh)
-        tx._producer = producer
+        again = self.producer  # a new session (and claim) if the old one had to go
+        conn = self._lock_and_settle(again, claim=not fresh)
         try:
+            self._hooks.locked()
             if left is not None:
                 # Nothing of that transaction is open any more (aborted above, or by the
                 # settling): it is visible only if someone committed it by (producer id, epoch).
-                self._refuse_if_committed(left, {r[0] for r in unlocked})
-            producer.begin_transaction()
-            for topic, value, key, partition, headers in unlocked:
-                producer.produce(topic, value, key, partition=partition, headers=headers)
+                self._refuse_if_committed(left, {r[0] for r in sent})
+            again.begin_transaction()
+            self._hooks.kafka_begun()
+            for topic, value, key, partition, headers in sent:
+                again.produce(topic, value, key, partition=partition, headers=headers)
         except BaseException:
             self._rollback(conn)
+            # The handle still holds ``producer`` (aborted above): end what ``again`` began.
+            self._abort_quietly(again)
             raise
-        tx._connection = conn
+        return conn, again
 
     def _flush_quietly(self, producer: TwoPhaseProducer) -> PreparedTxnState | None:
         """The state naming the records that left before the lock, or None if none arrived."""
@@ -513,6 +599,7 @@ class DualWriter:
                     raise
                 raise database_error(exc, self._engine.url) from exc
             log.warning("the database did commit transactional_id=%s state=%s", self._tid, state)
+        self._hooks.database_committed(state)
         producer.commit_transaction()
 
     def _database_committed(self, state: PreparedTxnState, xid: int | None) -> bool:

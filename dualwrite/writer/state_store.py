@@ -35,15 +35,13 @@ import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 from sqlalchemy.dialects import postgresql, sqlite
 
-from dualwrite.database import STATE_TABLE, database_error, transaction, uses_begin_immediate
+from dualwrite.database import database_error, transaction, uses_begin_immediate
+from dualwrite.database.schema import MAX_LENGTH, STATE_TABLE, TRANSACTION_STATE, state_table
 from dualwrite.errors import FatalError, TransactionStateError
 
 __all__ = ["MAX_LENGTH", "StateRow", "StateStore", "writer_connection"]
 
 logger = logging.getLogger(__name__)
-
-#: Longest transactional id and prepared-state string the table holds (VARCHAR(255)).
-MAX_LENGTH = 255
 
 _SUPPORTED_DIALECTS = ("postgresql", "sqlite")
 
@@ -173,14 +171,7 @@ class StateStore:
                 "not start with BEGIN IMMEDIATE, so writers may fail with 'database is locked'"
             )
         self.engine = engine
-        self.table = sa.Table(
-            table,
-            sa.MetaData(),
-            sa.Column("transactional_id", sa.String(MAX_LENGTH), primary_key=True),
-            sa.Column("prepared_txn_state", sa.String(MAX_LENGTH), nullable=False),
-            sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
-            sa.Column("fencing_generation", sa.BigInteger, nullable=False, server_default="0"),
-        )
+        self.table = TRANSACTION_STATE if table == STATE_TABLE else state_table(table)
         t = self.table
         self._columns = (t.c.transactional_id, t.c.prepared_txn_state, t.c.updated_at,
                         t.c.fencing_generation)

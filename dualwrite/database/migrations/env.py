@@ -1,6 +1,8 @@
 """Alembic environment for dualwrite's own tables.
 
 Kept apart from the application's Alembic: the version table is ``dualwrite_alembic_version``.
+``target_metadata`` is :data:`dualwrite.database.schema.METADATA`, so ``alembic revision
+--autogenerate`` proposes what a changed schema module needs, looking at dualwrite's tables only.
 :func:`dualwrite.database.upgrade_database` hands in an open connection through
 ``config.attributes["connection"]``; the Alembic command line gives the URL with ``-x db=URL``, the
 ``DUALWRITE_DB_URL`` environment variable or ``sqlalchemy.url`` in the ini file.
@@ -14,8 +16,10 @@ from alembic import context
 from sqlalchemy import Connection, text
 
 from dualwrite.database import MIGRATION_LOCK_KEY, VERSION_TABLE, create_engine
+from dualwrite.database.schema import METADATA, include_name
 
 config = context.config
+target_metadata = METADATA
 
 
 def _url() -> str:
@@ -33,6 +37,8 @@ def _run(connection: Connection) -> None:
     context.configure(
         connection=connection,
         version_table=VERSION_TABLE,
+        target_metadata=target_metadata,
+        include_name=include_name,  # never the application's tables
         # SQLite cannot ALTER most things; batch mode rebuilds the table instead.
         render_as_batch=connection.dialect.name == "sqlite",
     )
@@ -46,7 +52,8 @@ def _run(connection: Connection) -> None:
 
 def run_offline() -> None:
     """Print the SQL instead of running it (``alembic ... upgrade head --sql``)."""
-    context.configure(url=_url(), version_table=VERSION_TABLE, literal_binds=True)
+    context.configure(url=_url(), version_table=VERSION_TABLE, target_metadata=target_metadata,
+                      literal_binds=True)
     with context.begin_transaction():
         context.run_migrations()
 
