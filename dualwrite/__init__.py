@@ -5,30 +5,9 @@ live in subpackages with their own ``__all__`` (see docs/architecture.md): ``par
 (the Kafka side), ``writer``, ``batch``, ``recovery``, ``database``, ``spark`` and ``dev``.
 """
 
+from dualwrite import errors
 from dualwrite.database import check_schema, create_engine, upgrade_database
-from dualwrite.errors import (
-    BatchHeuristicAbortError,
-    BatchInDoubtError,
-    BrokerUnreachableError,
-    DatabaseUnreachableError,
-    DualWriteError,
-    FatalError,
-    HeuristicAbortError,
-    HeuristicCommitError,
-    HeuristicOutcomeError,
-    InvalidPreparedStateError,
-    KafkaErrorInfo,
-    KafkaProtocolError,
-    LockTimeoutError,
-    MigrationRequiredError,
-    OutcomeUnknownError,
-    OutcomeUnreadableError,
-    ProducerFencedError,
-    RecoverableError,
-    RetriableError,
-    TransactionConflictError,
-    TransactionStateError,
-)
+from dualwrite.errors import *  # noqa: F403 (every error is API: errors.__all__)
 from dualwrite.participant import PreparedTxnState, TwoPhaseProducer
 from dualwrite.recovery import (
     Outcome,
@@ -45,36 +24,15 @@ from dualwrite.writer import DualWriter, DualWriteTransaction
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchHeuristicAbortError",
-    "BatchInDoubtError",
-    "BrokerUnreachableError",
-    "DatabaseUnreachableError",
-    "DualWriteError",
     "DualWriteTransaction",
     "DualWriter",
-    "FatalError",
-    "HeuristicAbortError",
-    "HeuristicCommitError",
-    "HeuristicOutcomeError",
-    "InvalidPreparedStateError",
-    "KafkaErrorInfo",
-    "KafkaProtocolError",
-    "LockTimeoutError",
-    "MigrationRequiredError",
     "Outcome",
-    "OutcomeUnknownError",
-    "OutcomeUnreadableError",
     "PreparedTxnState",
-    "ProducerFencedError",
-    "RecoverableError",
     "RecoveryReport",
     "RecoveryResult",
-    "RetriableError",
     "SinkRecoveryResult",
     "SinkStatus",
     "StatusReport",
-    "TransactionConflictError",
-    "TransactionStateError",
     "TwoPhaseProducer",
     "__version__",
     "check_schema",
@@ -83,3 +41,4 @@ __all__ = [
     "status",
     "upgrade_database",
 ]
+__all__ += errors.__all__

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "BatchHeuristicAbortError",
     "BatchInDoubtError",
     "BrokerUnreachableError",
     "DatabaseUnreachableError",

@@ -73,11 +73,11 @@ def _private_uses(path: Path) -> list[str]:
 
 
 def test_control_plane_touches_no_private_names_but_its_own() -> None:
-    assert _private_uses(ROOT / "dualwrite" / "control_plane.py") == []
+    assert _private_uses(ROOT / "dualwrite" / "participant" / "control_plane.py") == []
 
 
 def test_the_seam_touches_no_kafka_python_private_names() -> None:
-    assert _private_uses(ROOT / "dualwrite" / "_kafka_python_seam.py") == []
+    assert _private_uses(ROOT / "dualwrite" / "participant" / "_kafka_python_seam.py") == []
 
 
 def test_only_the_seam_imports_kafka_net() -> None:

@@ -30,7 +30,7 @@ from dualwrite import (
 )
 from dualwrite.participant import TxnState
 from dualwrite.participant.control_plane import ControlPlane
-from dualwrite.writer import StateStore
+from dualwrite.writer import PhaseHooks, StateStore
 from tests import test_recipe
 from tests._kafka_helpers import in_thread, read_committed, unique, wait_for
 from tests.test_recipe import (
@@ -240,6 +240,37 @@ def test_records_committed_by_recovery_after_the_lease_was_lost_are_reported(
     assert rows(engine) == [b"t0", b"t1"]
     assert len(errors) == 1 and isinstance(errors[0], dualwrite.HeuristicCommitError), errors
     assert window.commits_sent == [tid]
+
+
+def test_a_writer_claimed_before_its_lock_starts_over_in_a_new_session(
+        writers: Any, engine: sa.Engine, bootstrap: str, topic: str) -> None:
+    """Another process claims the id while the writer's first record is on its way and its lock
+    not yet taken. Whoever claimed may have sent an EndTxn by the session's (producer id, epoch)
+    that is still travelling; on the TV1 path it would land on the next transaction of that
+    session (KAFKA-17754). Before: the writer aborted and began again in the same session (same
+    epoch). Now it starts a new session, whose epoch refuses such a late request."""
+    tid = unique("claimed-early")
+    at_lock, claimed = threading.Event(), threading.Event()
+
+    class ClaimBeforeTheLock(PhaseHooks):
+        def before_late_lock(self, records_sent: int) -> None:
+            if records_sent and not claimed.is_set():
+                at_lock.set()
+                assert claimed.wait(20)
+
+    writer = writers(engine, tid, hooks=ClaimBeforeTheLock())
+    write_produce_first(writer, topic, "t0")  # the session is established: the lock comes late
+    before = writer.producer.identity
+    thread, errors = in_thread(write_produce_first, writer, topic, "t1")
+    assert at_lock.wait(20)
+    StateStore(engine).claim([tid], timeout_s=10)
+    claimed.set()
+    thread.join(60)
+    assert not thread.is_alive() and errors == []
+    after = writer.producer.identity
+    assert before is not None and after is not None
+    assert (after.producer_id, after.epoch) != (before.producer_id, before.epoch)
+    assert assert_invariant(engine, bootstrap, topic) == [b"t0", b"t1"]
 
 
 # -- 3. a fenced producer touches nothing ------------------------------------------------------

@@ -7,51 +7,9 @@ MetaData) and their migrations (the package ``dualwrite.database.migrations``), 
 cross-process locks the writer leases and the batch sinks share.
 """
 
-from dualwrite.database.engine import (
-    MIGRATION_LOCK_KEY,
-    MIGRATIONS_RESOURCE,
-    SQLITE_BEGIN_OPTION,
-    check_schema,
-    create_engine,
-    current_revision,
-    database_error,
-    head_revision,
-    is_missing_schema,
-    mask_url,
-    migrations_dir,
-    normalize_url,
-    transaction,
-    unreachable_error,
-    upgrade_command,
-    upgrade_database,
-    uses_begin_immediate,
-)
-from dualwrite.database.locks import advisory_keys, lock_folder, try_file_lock
-from dualwrite.database.schema import METADATA, STATE_TABLE, VERSION_TABLE, state_table
+from dualwrite.database import engine, locks, schema
+from dualwrite.database.engine import *  # noqa: F403 (see engine.__all__)
+from dualwrite.database.locks import *  # noqa: F403
+from dualwrite.database.schema import *  # noqa: F403
 
-__all__ = [
-    "METADATA",
-    "MIGRATIONS_RESOURCE",
-    "MIGRATION_LOCK_KEY",
-    "SQLITE_BEGIN_OPTION",
-    "STATE_TABLE",
-    "VERSION_TABLE",
-    "advisory_keys",
-    "check_schema",
-    "create_engine",
-    "current_revision",
-    "database_error",
-    "head_revision",
-    "is_missing_schema",
-    "lock_folder",
-    "mask_url",
-    "migrations_dir",
-    "normalize_url",
-    "state_table",
-    "transaction",
-    "try_file_lock",
-    "unreachable_error",
-    "upgrade_command",
-    "upgrade_database",
-    "uses_begin_immediate",
-]
+__all__ = engine.__all__ + locks.__all__ + schema.__all__

@@ -13,9 +13,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import TracebackType
+from typing import Literal, Self, TypeVar
 
 __all__ = [
     "DevClusterError",
+    "LocalServer",
+    "choose_backend",
     "docker_available",
     "dualwrite_home",
     "free_ports",
@@ -27,6 +31,8 @@ __all__ = [
 ]
 
 _PR_SET_PDEATHSIG = 1
+
+_Local = TypeVar("_Local", Literal["jars"], Literal["binaries"])
 
 
 class DevClusterError(RuntimeError):
@@ -177,3 +183,35 @@ def docker_available() -> bool:
             except (OSError, subprocess.TimeoutExpired):
                 _docker_ok = False
     return _docker_ok
+
+
+def choose_backend(requested: str, local: _Local, local_hint: str) -> _Local | Literal["docker"]:
+    """The backend to run: ``requested`` if given ("docker" only where an engine answers), else
+    Docker where available and ``local`` (the jars or binaries on this machine) elsewhere."""
+    if requested == "docker":
+        if not docker_available():
+            raise DevClusterError("backend='docker' but no Docker engine answers `docker info`; "
+                                  f"start Docker or {local_hint}")
+        return "docker"
+    if requested == local:
+        return local
+    return "docker" if docker_available() else local
+
+
+class LocalServer:
+    """A server started and stopped by this process; as a context manager, it runs for the
+    ``with`` block."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

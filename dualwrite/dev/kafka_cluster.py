@@ -22,12 +22,12 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any, Literal, Protocol, cast
 
 from dualwrite.dev._util import (
     DevClusterError,
-    docker_available,
+    LocalServer,
+    choose_backend,
     free_ports,
     parent_death_signal,
     pid_alive,
@@ -251,20 +251,14 @@ class ExternalKafkaCluster:
         admin = AdminClient({"bootstrap.servers": self.bootstrap_servers})
         return len(admin.list_topics(timeout=10.0).brokers)
 
-    def create_topic(
-        self,
-        name: str,
-        partitions: int = 3,
-        replication_factor: int | None = None,
-        config: Mapping[str, str] | None = None,
-        timeout: float = 30.0,
-    ) -> str:
-        """Create a topic (RF = min(brokers, 3) by default) and wait until it has leaders."""
+    def create_topic(self, name: str, partitions: int = 3, replication_factor: int | None = None,
+                     config: Mapping[str, str] | None = None, timeout: float = 30.0) -> str:
+        """Create a topic (RF: min(brokers now in the metadata, 3) by default); wait for leaders."""
         rf = replication_factor or min(self.brokers, 3)
         return create_topic(self.bootstrap_servers, name, partitions, rf, config, timeout)
 
 
-class LocalKafkaCluster:
+class LocalKafkaCluster(LocalServer):
     """Start, stop, kill and restart a local KRaft Kafka cluster on free loopback ports.
 
     Use as a context manager, or call :meth:`start` and :meth:`stop`. With ``detach=True``
@@ -312,7 +306,8 @@ class LocalKafkaCluster:
         self.security: Security = security
         self.secrets: ClusterSecurity | None = None
         """Users, CA and properties files of a ``security="sasl"`` cluster (jar backend)."""
-        self._security_state: dict[str, Any] = {}
+        self.restored_security: dict[str, Any] = {}
+        """The security state (no passwords) read back by :meth:`from_state`."""
         self.proxied = proxied
         """An EXTERNAL listener per broker, advertised on another port than it binds (jars
         backend): clients reach the broker only through a proxy from ``proxy_ports`` to
@@ -324,18 +319,6 @@ class LocalKafkaCluster:
             f"backend={self.backend or self.requested_backend!r}, "
             f"bootstrap_servers={self.bootstrap_servers if self.nodes else None!r})"
         )
-
-    def __enter__(self) -> LocalKafkaCluster:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -393,7 +376,7 @@ class LocalKafkaCluster:
         """The PEM file of the run's CA (``ssl.ca.location``) of a secured cluster."""
         if self.secrets is not None and self.secrets.tls is not None:
             return self.secrets.tls.ca_pem
-        ca = self._security_state.get("ca_file")
+        ca = self.restored_security.get("ca_file")
         return Path(ca) if ca else None
 
     def add_scram_user(self, name: str, password: str | None = None) -> ScramUser:
@@ -454,7 +437,8 @@ class LocalKafkaCluster:
         """Start every node and wait until all brokers serve metadata; raise with log tails."""
         if self.nodes:
             raise DevClusterError("the cluster is already started")
-        self.backend = self._choose_backend()
+        self.backend = choose_backend(self.requested_backend, "jars",
+                                      "use backend='jars' (needs Java 17 and Maven)")
         started = time.monotonic()
         try:
             if self.backend == "docker":
@@ -601,15 +585,9 @@ class LocalKafkaCluster:
                 )
             time.sleep(0.2)
 
-    def create_topic(
-        self,
-        name: str,
-        partitions: int = 3,
-        replication_factor: int | None = None,
-        config: Mapping[str, str] | None = None,
-        timeout: float = 30.0,
-    ) -> str:
-        """Create a topic (RF = min(brokers, 3) by default) and wait until it has leaders."""
+    def create_topic(self, name: str, partitions: int = 3, replication_factor: int | None = None,
+                     config: Mapping[str, str] | None = None, timeout: float = 30.0) -> str:
+        """Create a topic (RF: min(brokers of this cluster, 3) by default); wait for leaders."""
         rf = replication_factor or min(len(self.nodes), 3)
         return create_topic(self.bootstrap_servers, name, partitions, rf, config, timeout)
 
@@ -635,8 +613,8 @@ class LocalKafkaCluster:
         """Addresses, principal and file paths of a secured cluster, without any password."""
         if self.security != "sasl":
             return {}
-        if self._security_state:
-            return dict(self._security_state)
+        if self.restored_security:
+            return dict(self.restored_security)
         sec = self._require_secrets()
         assert sec.tls is not None
         return {
@@ -674,7 +652,7 @@ class LocalKafkaCluster:
             detach=True,
             security="sasl" if state.get("security") else "none",
         )
-        cluster._security_state = dict(state.get("security") or {})
+        cluster.restored_security = dict(state.get("security") or {})
         cluster.backend = state["backend"]
         cluster.data_dir = data_dir
         cluster.cluster_id = str(state["cluster_id"])
@@ -689,18 +667,6 @@ class LocalKafkaCluster:
         settings.update(_share_group_defaults(self.brokers, self.kafka_version))
         settings.update(self.extra_config)
         return settings
-
-    def _choose_backend(self) -> Literal["jars", "docker"]:
-        if self.requested_backend == "docker":
-            if not docker_available():
-                raise DevClusterError(
-                    "backend='docker' but no Docker engine answers `docker info`; start Docker "
-                    "or use backend='jars' (needs Java 17 and Maven)"
-                )
-            return "docker"
-        if self.requested_backend == "jars":
-            return "jars"
-        return "docker" if docker_available() else "jars"
 
     def _check_alive(self) -> None:
         if self.backend == "docker":

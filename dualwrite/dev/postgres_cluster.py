@@ -18,12 +18,12 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Literal
 
 from dualwrite.dev._util import (
     DevClusterError,
-    docker_available,
+    LocalServer,
+    choose_backend,
     free_ports,
     parent_death_signal,
     tail,
@@ -101,7 +101,7 @@ def _server_user() -> pwd.struct_passwd | None:
     )
 
 
-class LocalPostgres:
+class LocalPostgres(LocalServer):
     """Start and stop a PostgreSQL server with database ``dualwrite`` owned by user ``dualwrite``.
 
     Authentication is ``trust`` on 127.0.0.1 only; the server exists for tests.
@@ -128,18 +128,6 @@ class LocalPostgres:
         self._container: str | None = None
         self._url: str | None = None
 
-    def __enter__(self) -> LocalPostgres:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
     def __repr__(self) -> str:
         backend = self.backend or self.requested_backend
         return f"LocalPostgres(backend={backend!r}, url={self._url!r})"
@@ -161,7 +149,8 @@ class LocalPostgres:
         if self._url is not None:
             raise DevClusterError("PostgreSQL is already started")
         started = time.monotonic()
-        self.backend = self._choose_backend()
+        self.backend = choose_backend(self.requested_backend, "binaries",
+                                      "use backend='binaries'")
         try:
             if self.backend == "docker":
                 self._start_docker()
@@ -209,18 +198,6 @@ class LocalPostgres:
         return path.read_text(errors="replace") if path.exists() else ""
 
     # -- internals -------------------------------------------------------------------------
-
-    def _choose_backend(self) -> Literal["binaries", "docker"]:
-        if self.requested_backend == "docker":
-            if not docker_available():
-                raise DevClusterError(
-                    "backend='docker' but no Docker engine answers `docker info`; start Docker "
-                    "or use backend='binaries'"
-                )
-            return "docker"
-        if self.requested_backend == "binaries":
-            return "binaries"
-        return "docker" if docker_available() else "binaries"
 
     def _start_binaries(self) -> None:
         bindir = find_postgres_bindir()

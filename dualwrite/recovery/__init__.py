@@ -5,26 +5,9 @@ are the participant layer's ``Outcome`` (what ``complete`` returns), re-exported
 """
 
 from dualwrite.participant.outcome import Outcome
-from dualwrite.recovery.report import (
-    InDoubt,
-    RecoveryReport,
-    RecoveryResult,
-    SinkParticipantStatus,
-    SinkRecoveryResult,
-    SinkStatus,
-    StatusReport,
-)
+from dualwrite.recovery import report
+from dualwrite.recovery.report import *  # noqa: F403 (the report types: report.__all__)
 from dualwrite.recovery.resolver import recover, status
 
-__all__ = [
-    "InDoubt",
-    "Outcome",
-    "RecoveryReport",
-    "RecoveryResult",
-    "SinkParticipantStatus",
-    "SinkRecoveryResult",
-    "SinkStatus",
-    "StatusReport",
-    "recover",
-    "status",
-]
+__all__ = ["Outcome", "recover", "status"]
+__all__ += report.__all__

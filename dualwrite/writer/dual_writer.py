@@ -412,9 +412,8 @@ class DualWriter:
         self._rollback(conn)
         left = self._flush_quietly(producer) if sent else None
         self._abort_after_claim(producer)
-        fresh = self._producer is None
-        again = self.producer  # a new session (and claim) if the old one had to go
-        conn = self._lock_and_settle(again, claim=not fresh)
+        again = self.producer  # a new session, under a claim of its own
+        conn = self._lock_and_settle(again)
         try:
             self._hooks.locked()
             if left is not None:
@@ -459,20 +458,28 @@ class DualWriter:
                  "sending them again", self._tid, left)
 
     def _abort_after_claim(self, producer: TwoPhaseProducer) -> None:
-        """Abort the transaction started before the lock; stop if a newer producer fenced it."""
+        """Abort the transaction started before the lock and end the session; stop if a newer
+        producer fenced it.
+
+        Whoever claimed the id may have sent an EndTxn by this session's (producer id, epoch)
+        that is still on its way; on the TV1 path it would land on the session's next
+        transaction (KAFKA-17754). The new session's InitProducerId bumps the epoch, so such a
+        late request is refused.
+        """
         try:
             producer.abort_transaction()
             fenced = producer.fenced_at_coordinator()
         except ProducerFencedError:
             fenced = True
         except DualWriteError as exc:
-            # Whoever acted may have ended the transaction already; a new session (which aborts
-            # whatever is still open) replaces this one.
-            log.info("abort of transactional_id=%s failed (%s); starting a new session",
-                     self._tid, exc)
+            # Whoever acted may have ended the transaction already; the new session aborts
+            # whatever is still open.
+            log.info("abort of transactional_id=%s failed (%s)", self._tid, exc)
             fenced = producer.fenced_at_coordinator()
-            if not fenced:
-                self._close_producer()
+        if not fenced:
+            log.info("transactional_id=%s was claimed while its transaction was starting; "
+                     "starting a new session", self._tid)
+            self._close_producer()
         if fenced:
             raise ProducerFencedError(
                 f"transactional_id={self._tid}: a newer producer of this transactional id took "

@@ -1,0 +1,301 @@
+"""Lost responses, cut connections and late EndTxn copies, through a loopback proxy.
+
+A 1-broker cluster of this module's own advertises its EXTERNAL listener on a proxy's port
+(``LocalKafkaCluster(proxied=True)``), so every client of the test reaches the broker only
+through :class:`tests._tcp_proxy.TcpProxy`; the PostgreSQL server is reached through another
+proxy. After each fault: read_committed records == committed rows, no duplicate, nothing left
+Ongoing at the coordinator.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import confluent_kafka
+import pytest
+import sqlalchemy as sa
+from click.testing import CliRunner
+
+import dualwrite
+from dualwrite import DualWriteError, DualWriter, OutcomeUnknownError, RetriableError
+from dualwrite.cli import main as cli_main
+from dualwrite.database import normalize_url
+from dualwrite.dev import LocalKafkaCluster
+from dualwrite.dev.security import application_acls, write_properties_file
+from dualwrite.participant.control_plane import ControlPlane
+from dualwrite.writer.state_store import StateStore
+from tests._kafka_helpers import read_committed, unique
+from tests._tcp_proxy import TcpProxy, contains, kafka_api
+from tests.conftest import BACKEND, KAFKA_VERSION
+
+END_TXN = 26
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def proxied() -> Iterator[tuple[LocalKafkaCluster, TcpProxy]]:
+    """A 1-broker cluster whose clients go through a Kafka-framing proxy; (cluster, proxy)."""
+    if BACKEND == "docker":
+        pytest.skip("the proxied listener needs the jars backend")
+    cluster = LocalKafkaCluster(brokers=1, kafka_version=KAFKA_VERSION, backend="jars",
+                                proxied=True)
+    with cluster, TcpProxy(cluster.external_ports[0], port=cluster.proxy_ports[0],
+                           kafka_framing=True) as proxy:
+        yield cluster, proxy
+
+
+@pytest.fixture
+def proxy(proxied: tuple[LocalKafkaCluster, TcpProxy]) -> Iterator[TcpProxy]:
+    _, p = proxied
+    yield p
+    p.disarm()
+    p.refuse(False)
+    p.release()
+
+
+@pytest.fixture
+def cluster(proxied: tuple[LocalKafkaCluster, TcpProxy]) -> LocalKafkaCluster:
+    return proxied[0]
+
+
+@pytest.fixture
+def topic(cluster: LocalKafkaCluster) -> str:
+    return cluster.create_topic(unique("lost"), 1, 1)
+
+
+def _config(cluster: LocalKafkaCluster, **extra: Any) -> dict[str, Any]:
+    """Through the proxy; short request timeouts so that a held request times out quickly."""
+    return {"bootstrap.servers": cluster.external_bootstrap_servers, "socket.timeout.ms": 3000,
+            **extra}
+
+
+ORDERS = sa.Table("lost_orders", sa.MetaData(), sa.Column("id", sa.String(64), primary_key=True))
+
+
+@pytest.fixture
+def pg_url(postgres_url: str) -> Iterator[str]:
+    """A fresh schema with dualwrite's tables and the test's table."""
+    schema = f"dw_lost_{uuid.uuid4().hex[:10]}"
+    admin = dualwrite.create_engine(postgres_url)
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
+    url = normalize_url(postgres_url).update_query_dict({"options": f"-csearch_path={schema}"})
+    text = url.render_as_string(hide_password=False)
+    dualwrite.upgrade_database(text)
+    engine = dualwrite.create_engine(text)
+    ORDERS.create(engine)
+    engine.dispose()
+    try:
+        yield text
+    finally:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
+        admin.dispose()
+
+
+def _rows(url: str) -> list[str]:
+    engine = dualwrite.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return sorted(r[0] for r in conn.execute(sa.select(ORDERS.c.id)))
+    finally:
+        engine.dispose()
+
+
+def _check_invariant(cluster: LocalKafkaCluster, url: str, topic: str, tids: list[str]) -> int:
+    """recover, then: records == rows, no duplicate, nothing in flight. Returns the count."""
+    report = dualwrite.recover(url, {"bootstrap.servers": cluster.bootstrap_servers},
+                               timeout_s=20)
+    assert report.ok, report.as_dict()
+    records = [r.decode() for r in read_committed(cluster.bootstrap_servers, topic)]
+    rows = _rows(url)
+    assert len(records) == len(set(records)), f"duplicate records: {records}"
+    assert records == rows
+    with ControlPlane({"bootstrap.servers": cluster.bootstrap_servers}) as cp:
+        for tid, desc in cp.describe_transactions(tids).items():
+            assert not desc.state.in_flight, f"{tid} left {desc.state.value}"
+    return len(rows)
+
+
+def _write(writer: DualWriter, topic: str, key: str) -> None:
+    with writer.transaction() as tx:
+        tx.produce(topic, key.encode(), key=key)
+        tx.connection.execute(sa.insert(ORDERS).values(id=key))
+
+
+def _write_expecting_typed(writer: DualWriter, topic: str, key: str) -> str:
+    """Write; what reached the caller: "ok" or the name of a typed dualwrite error."""
+    try:
+        _write(writer, topic, key)
+    except (RetriableError, OutcomeUnknownError) as exc:
+        return type(exc).__name__
+    return "ok"
+
+
+# -- the EndTxn response lost, or late ----------------------------------------------------------
+
+def test_lost_endtxn_response_commits_exactly_once(cluster: LocalKafkaCluster, proxy: TcpProxy,
+                                                   topic: str, pg_url: str) -> None:
+    """The commit's EndTxn reaches the coordinator and its answer is lost (connection cut)."""
+    tid = unique("lost-endtxn")
+    with DualWriter(pg_url, _config(cluster), transactional_id=tid, timeout_s=15) as writer:
+        _write(writer, topic, "a")
+        dropped = proxy.drop_next_response(kafka_api(END_TXN))
+        outcome = _write_expecting_typed(writer, topic, "b")
+        assert dropped.wait(5)
+        _write(writer, topic, "c")  # the writer goes on
+    assert outcome in ("ok", "RetriableError", "OutcomeUnknownError")
+    assert _check_invariant(cluster, pg_url, topic, [tid]) == 3
+
+
+def test_coordinator_answering_late(cluster: LocalKafkaCluster, proxy: TcpProxy, topic: str,
+                                    pg_url: str) -> None:
+    """Every connection blackholed during the commit for longer than the request timeout (3 s),
+    then released: the late answers and requests arrive after librdkafka's own retry."""
+    tid = unique("late-endtxn")
+    with DualWriter(pg_url, _config(cluster), transactional_id=tid, timeout_s=15) as writer:
+        _write(writer, topic, "a")
+        caught = proxy.hold_next_request(kafka_api(END_TXN))
+
+        def release_later() -> None:
+            caught.wait(10)
+            time.sleep(4.5)
+            proxy.release()
+
+        releaser = threading.Thread(target=release_later, daemon=True)
+        releaser.start()
+        started = time.monotonic()
+        outcome = _write_expecting_typed(writer, topic, "b")
+        took = time.monotonic() - started
+        releaser.join(15)
+        _write(writer, topic, "c")
+    print(f"late coordinator: outcome={outcome} in {took:.1f} s")
+    assert outcome in ("ok", "RetriableError", "OutcomeUnknownError")
+    assert _check_invariant(cluster, pg_url, topic, [tid]) == 3
+
+
+# -- KAFKA-17754 inside one session ---------------------------------------------------------
+
+def test_late_endtxn_copy_cannot_end_the_next_transaction(cluster: LocalKafkaCluster,
+                                                          proxy: TcpProxy, topic: str) -> None:
+    """T1's EndTxn(commit) is held on its connection; librdkafka times it out and sends it again
+    on a new one (T1 commits); T2 begins; then the held copy arrives. On the TV1 path with one
+    (producer id, epoch) per session it would commit T2 (measured before the fix: T2 visible
+    before its commit, and its abort refused with INVALID_TXN_STATE). The producer now starts a
+    new session after such a commit, so the late copy carries a stale epoch and is refused."""
+    tid = unique("kafka-17754")
+    producer = dualwrite.TwoPhaseProducer(_config(cluster, **{"transactional.id": tid,
+                                                              "linger.ms": 0}), timeout_s=15)
+    try:
+        producer.init_transactions()
+        producer.begin_transaction()
+        producer.produce(topic, b"t1")
+        producer.prepare_transaction()
+        before = producer.identity
+        held = proxy.hold_next_request(kafka_api(END_TXN))
+        producer.commit_transaction()  # librdkafka re-sends EndTxn after socket.timeout.ms
+        assert held.is_set()
+        print(f"librdkafka {confluent_kafka.libversion()[0]}: T1 session {before}, after the "
+              f"commit {producer.identity}")
+        producer.begin_transaction()
+        producer.produce(topic, b"t2")
+        producer.flush_and_state()
+        proxy.release()  # the first EndTxn(commit) of T1 reaches the coordinator now
+        time.sleep(2.0)
+        assert read_committed(cluster.bootstrap_servers, topic, 10) == [b"t1"], \
+            "a late EndTxn of T1 committed T2 before T2's own commit (KAFKA-17754)"
+        producer.abort_transaction()
+        assert read_committed(cluster.bootstrap_servers, topic, 10) == [b"t1"]
+    finally:
+        producer.close()
+
+
+def test_late_control_plane_endtxn_cannot_end_the_next_transaction(
+        cluster: LocalKafkaCluster, proxy: TcpProxy, topic: str) -> None:
+    """Completing a prepared transaction by (producer id, epoch) through the control plane: the
+    first EndTxn(commit) is held until it times out, the retry commits; the session then starts
+    (InitProducerId bumps the epoch) and T2 begins; the held copy arrives and is fenced."""
+    tid = unique("cp-17754")
+    conf = _config(cluster, **{"transactional.id": tid, "linger.ms": 0})
+    first = dualwrite.TwoPhaseProducer(conf, timeout_s=15)
+    first.init_transactions()
+    first.begin_transaction()
+    first.produce(topic, b"t1")
+    state = first.prepare_transaction()
+    first.close()  # a crash between the two commits
+    second = dualwrite.TwoPhaseProducer(conf, timeout_s=4)
+    try:
+        second.init_transactions(keep_prepared_txn=True)
+        held = proxy.hold_next_request(kafka_api(END_TXN))
+        with pytest.raises(DualWriteError) as failed:
+            second.complete_transaction(state)
+        assert held.is_set()
+        print(f"held control-plane EndTxn: {type(failed.value).__name__}")
+        second.complete_transaction(state)  # asked again: committed by the retry
+        assert second.identity is not None and second.identity.epoch > state.epoch
+        second.begin_transaction()
+        second.produce(topic, b"t2")
+        second.flush_and_state()
+        proxy.release()
+        time.sleep(2.0)
+        assert read_committed(cluster.bootstrap_servers, topic, 10) == [b"t1"]
+        second.abort_transaction()
+        assert read_committed(cluster.bootstrap_servers, topic, 10) == [b"t1"]
+    finally:
+        second.close()
+
+
+# -- the database connection cut during COMMIT ------------------------------------------------
+
+def test_database_connection_cut_during_commit(cluster: LocalKafkaCluster, proxy: TcpProxy,
+                                               topic: str, pg_url: str) -> None:
+    """The writer reaches PostgreSQL through a proxy that forwards COMMIT and cuts the
+    connection before its answer: the outcome is asked of the database (txid_status)."""
+    url = sa.engine.make_url(pg_url)
+    assert url.port is not None
+    with TcpProxy(url.port) as pg_proxy:
+        through = url.set(port=pg_proxy.port).render_as_string(hide_password=False)
+        tid = unique("pg-cut")
+        outcomes = []
+        with DualWriter(through, _config(cluster), transactional_id=tid, timeout_s=15) as writer:
+            _write(writer, topic, "a")
+            for key in ("b", "c"):
+                cut = pg_proxy.drop_next_response(contains(b"COMMIT"))
+                outcomes.append(_write_expecting_typed(writer, topic, key))
+                assert cut.wait(5)
+            _write(writer, topic, "d")
+    print(f"database COMMIT cut: {outcomes}")
+    assert all(o in ("ok", "DatabaseUnreachableError", "OutcomeUnknownError") for o in outcomes)
+    assert _check_invariant(cluster, pg_url, topic, [tid]) >= 2
+
+
+# -- `dualwrite recover`: a fatal error is not "unresolved, retry" ------------------------------
+
+def test_recover_exits_with_the_error_code_on_a_fatal_failure(
+        tmp_path: Path, kafka_secured: LocalKafkaCluster) -> None:
+    """An id whose recovery fails with a FatalError (WRITE on its transactional id missing):
+    exit 1 ("an error ... the message says what to do"), not 5 ("unresolved, retry")."""
+    topic = kafka_secured.create_topic(unique("fatal"), 1, 1)
+    prefix = unique("fatal")
+    user = kafka_secured.add_scram_user(prefix)
+    acls = application_acls(user.principal, topics=[topic], transactional_id_prefix="other-")
+    kafka_secured.create_acls(acls)
+    kafka_secured.wait_for_authentication(kafka_secured.client_config(user))
+    properties = write_properties_file(tmp_path / "client.properties",
+                                       kafka_secured.client_config(user), "test principal")
+    url = f"sqlite:///{tmp_path / 'fatal.db'}"
+    dualwrite.upgrade_database(url)
+    engine = dualwrite.create_engine(url)
+    StateStore(engine).claim([f"{prefix}-w"])
+    engine.dispose()
+    result = CliRunner().invoke(cli_main, ["recover", "--db", url, "--kafka-properties",
+                                           str(properties), "--timeout", "10"])
+    assert "Traceback" not in result.output
+    assert "Missing ACL" in result.output, result.output
+    assert result.exit_code == 1, result.output
