@@ -216,6 +216,37 @@ def test_late_endtxn_copy_cannot_end_the_next_transaction(cluster: LocalKafkaClu
         producer.close()
 
 
+def test_late_abort_copy_cannot_end_the_next_transaction(cluster: LocalKafkaCluster,
+                                                         proxy: TcpProxy, topic: str) -> None:
+    """The same shape for an abort: T1's EndTxn(abort) is held, librdkafka sends it again (T1
+    aborts), T2 begins and prepares; the held copy would abort T2 under the same (producer id,
+    epoch), and T2's records would be lost after the database decided them. The producer starts
+    a new session after such an abort too, so T2 commits."""
+    tid = unique("abort-17754")
+    producer = dualwrite.TwoPhaseProducer(_config(cluster, **{"transactional.id": tid,
+                                                              "linger.ms": 0}), timeout_s=15)
+    try:
+        producer.init_transactions()
+        producer.begin_transaction()
+        producer.produce(topic, b"t1")
+        producer.prepare_transaction()
+        before = producer.identity
+        held = proxy.hold_next_request(kafka_api(END_TXN))
+        producer.abort_transaction()  # librdkafka re-sends EndTxn after socket.timeout.ms
+        assert held.is_set()
+        after = producer.identity
+        producer.begin_transaction()
+        producer.produce(topic, b"t2")
+        producer.prepare_transaction()
+        proxy.release()  # the first EndTxn(abort) of T1 reaches the coordinator now
+        time.sleep(2.0)
+        producer.commit_transaction()
+        assert read_committed(cluster.bootstrap_servers, topic, 10) == [b"t2"]
+        assert before is not None and after is not None and after.epoch != before.epoch
+    finally:
+        producer.close()
+
+
 def test_late_control_plane_endtxn_cannot_end_the_next_transaction(
         cluster: LocalKafkaCluster, proxy: TcpProxy, topic: str) -> None:
     """Completing a prepared transaction by (producer id, epoch) through the control plane: the

@@ -524,20 +524,20 @@ class TwoPhaseProducer:
                 raise
 
     def _fence_late_endtxn(self, troubles: int) -> None:
-        """Start a new session (a new epoch) if librdkafka may have sent this commit's EndTxn
-        twice: a late first copy, fenced by the epoch, then cannot end the next transaction."""
+        """Start a new session (a new epoch) if librdkafka may have sent this commit's or abort's
+        EndTxn twice: a late first copy, fenced by the epoch, then cannot end the next one."""
         assert self._producer is not None
         with contextlib.suppress(KafkaException, SystemError):
             self._producer.poll(0)  # serves the queued log lines
         if self._link.troubles == troubles:
             return
-        log.warning("the coordinator connection of %s failed during its commit: librdkafka may "
-                    "have sent EndTxn twice; starting a new session so that a late copy cannot "
-                    "end the next transaction (KAFKA-17754)", self._ids())
+        log.warning("the coordinator connection of %s failed while ending its transaction: "
+                    "librdkafka may have sent EndTxn twice; starting a new session so that a "
+                    "late copy cannot end the next transaction (KAFKA-17754)", self._ids())
         try:
             self._restart_session()
         except DualWriteError as exc:
-            # Committed all the same; the next transaction must not reuse this epoch.
+            # The transaction ended all the same; the next one must not reuse this epoch.
             self._phase = _Phase.FAILED
             log.warning("no new session for %s yet (%s); the next transaction starts one",
                         self._ids(), exc)
@@ -565,6 +565,7 @@ class TwoPhaseProducer:
         self._require(_Phase.IN_TRANSACTION, _Phase.PREPARED, _Phase.FAILED,
                       verb="abort_transaction")
         assert self._producer is not None
+        troubles = self._link.troubles
         try:
             self._producer.abort_transaction(self._timeout_s)
         except KafkaException as exc:
@@ -573,6 +574,7 @@ class TwoPhaseProducer:
         self._phase = _Phase.READY
         self._prepared = None
         log.info("aborted %s", self._ids())
+        self._fence_late_endtxn(troubles)
 
     def close(self) -> None:
         """Release the producer, leaving an open or prepared transaction open at the coordinator
