@@ -34,6 +34,7 @@ from tests._tcp_proxy import TcpProxy, contains, kafka_api
 from tests.conftest import BACKEND, KAFKA_VERSION
 
 END_TXN = 26
+PRODUCE = 0
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -243,6 +244,38 @@ def test_late_abort_copy_cannot_end_the_next_transaction(cluster: LocalKafkaClus
         producer.commit_transaction()
         assert read_committed(cluster.bootstrap_servers, topic, 10) == [b"t2"]
         assert before is not None and after is not None and after.epoch != before.epoch
+    finally:
+        producer.close()
+
+
+def test_an_abort_after_unacknowledged_records_starts_a_new_session(
+        cluster: LocalKafkaCluster, proxy: TcpProxy, topic: str) -> None:
+    """T1's Produce is held on its connection, so its flush times out with the record
+    unacknowledged (the fault suite's "records not delivered" under a broker kill). Reusing the
+    session after aborting T1 lost a record of a later transaction in a fault run; the abort now
+    starts a new session, and the held Produce, released into it, is refused by the epoch."""
+    tid = unique("unacked")
+    # The flush gives up (2 s) before librdkafka's socket timeout (3 s) would resend the Produce.
+    producer = dualwrite.TwoPhaseProducer(_config(cluster, **{"transactional.id": tid,
+                                                              "linger.ms": 0}), timeout_s=2)
+    try:
+        producer.init_transactions()
+        before = producer.identity
+        held = proxy.hold_next_request(kafka_api(PRODUCE))
+        producer.begin_transaction()
+        producer.produce(topic, b"t1")
+        with pytest.raises(RetriableError, match="not delivered"):
+            producer.flush_and_state()
+        assert held.is_set()
+        producer.abort_transaction()
+        after = producer.identity
+        proxy.release()  # T1's Produce reaches the broker now
+        producer.begin_transaction()
+        producer.produce(topic, b"t2")
+        producer.prepare_transaction()
+        producer.commit_transaction()
+        assert before is not None and after is not None and after.epoch != before.epoch
+        assert read_committed(cluster.bootstrap_servers, topic, 10) == [b"t2"]
     finally:
         producer.close()
 

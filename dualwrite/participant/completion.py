@@ -144,7 +144,19 @@ def committed_at_anchor(consumer_config: Mapping[str, Any], tp: TopicPartition, 
     may keep the stable offset below it). ``transactional_id`` and ``state`` name it in errors.
     """
     deadline = time.monotonic() + timeout_s
-    why = _anchor_unreadable(consumer_config, tp, offset, deadline)
+    while True:
+        try:
+            why = _anchor_unreadable(consumer_config, tp, offset, deadline)
+            break
+        except RetriableError as exc:
+            # A leader election or a broker restart (NOT_LEADER_FOR_PARTITION,
+            # OFFSET_NOT_AVAILABLE while the new leader catches up): ask again until the
+            # deadline, then let the caller see it.
+            if time.monotonic() + 0.5 > deadline:
+                raise
+            log.info("reading the offsets of %s for transactional_id=%s: %s; retrying", tp,
+                     transactional_id, exc)
+            time.sleep(0.5)
     if why is None:
         seen = _first_offset_at(consumer_config, tp, offset, "read_committed", deadline)
         if seen == offset:

@@ -619,17 +619,30 @@ class ControlPlane:
         return f"accepted (producer_id={ident.producer_id}, epoch={ident.epoch})"
 
     async def _probe_brokers(self) -> list[BrokerProbe]:
+        """The brokers that answer ApiVersions; one that is down is left out (a cluster with a
+        broker away still serves transactions), and None answering is BrokerUnreachableError."""
         await self._link.bootstrap(int(self._timeout_s * 1000))
         out: list[BrokerProbe] = []
+        unreachable: list[str] = []
         for node in self._link.broker_ids():
-            response = await self._link.send(ApiVersionsRequest(
-                client_software_name="dualwrite", client_software_version="0.1.0"), node)
+            try:
+                response = await self._link.send(ApiVersionsRequest(
+                    client_software_name="dualwrite", client_software_version="0.1.0"), node)
+            except (kafka_errors.KafkaConnectionError, kafka_errors.NodeNotReadyError,
+                    kafka_errors.KafkaTimeoutError, kafka_errors.RequestTimedOutError) as exc:
+                unreachable.append(f"broker {node}: {exc!r}")
+                continue
             raise_for_code(response.error_code, f"ApiVersions on broker {node}")
             apis = {k.api_key: ApiRange(k.min_version, k.max_version) for k in response.api_keys}
             features = {f.name: f.max_version_level
                         for f in (getattr(response, "finalized_features", None) or [])}
             host, port = self._link.broker_address(node)
             out.append(BrokerProbe(node, host, port, "unknown", apis, features))
+        if not out:
+            raise BrokerUnreachableError(
+                f"no broker answered ApiVersions ({'; '.join(unreachable)})")
+        if unreachable:
+            log.info("probe: left out brokers that did not answer (%s)", "; ".join(unreachable))
         return out
 
     def _broker_software(self, node_id: int) -> str:

@@ -84,6 +84,9 @@ class TwoPhaseProducer:
         self._first_offsets: dict[TopicPartition, int] = {}
         self._first_raw: dict[tuple[Any, Any], Any] = {}
         self._delivery_errors: list[tuple[str, KafkaError]] = []
+        self._unconfirmed = False
+        """The flush of the open transaction failed or timed out: some records may be in the
+        log unacknowledged, so it is aborted by a new session (see _abort_by_new_session)."""
         self._failed_topics: set[str] = set()
         self._delivered = self._record_delivery  # one bound method, not one per record
         self._produced = 0
@@ -257,6 +260,7 @@ class TwoPhaseProducer:
         self._delivery_errors = []
         self._failed_topics = set()
         self._produced = 0
+        self._unconfirmed = False
         self._prepared = None
         self._begun_at = time.monotonic()
         self._phase = _Phase.IN_TRANSACTION
@@ -362,6 +366,7 @@ class TwoPhaseProducer:
         """
         self._require(_Phase.IN_TRANSACTION, verb="prepare_transaction")
         assert self._producer is not None
+        self._unconfirmed = True  # until every record is acknowledged
         try:
             remaining = self._producer.flush(self._timeout_s)
         except (KafkaException, SystemError) as exc:
@@ -403,6 +408,7 @@ class TwoPhaseProducer:
                                         anchor_tp, self._first_offsets[anchor_tp])
         self._prepared = state
         self._phase = _Phase.PREPARED
+        self._unconfirmed = False
         return state
 
     def verify_prepared(self) -> None:
@@ -564,7 +570,9 @@ class TwoPhaseProducer:
         """Abort the open or prepared transaction; allowed before the database decided commit."""
         self._require(_Phase.IN_TRANSACTION, _Phase.PREPARED, _Phase.FAILED,
                       verb="abort_transaction")
-        assert self._producer is not None
+        if self._unconfirmed or self._producer is None:
+            self._abort_by_new_session()
+            return
         troubles = self._link.troubles
         try:
             self._producer.abort_transaction(self._timeout_s)
@@ -575,6 +583,25 @@ class TwoPhaseProducer:
         self._prepared = None
         log.info("aborted %s", self._ids())
         self._fence_late_endtxn(troubles)
+
+    def _abort_by_new_session(self) -> None:
+        """Abort a transaction whose records were not all acknowledged by starting a new session.
+
+        Some of them may be in the log, some still queued or retried by librdkafka with their
+        sequence numbers; under fault runs (broker kills) reusing the session after such an
+        abort lost a record of a later transaction and ended sessions with
+        OUT_OF_ORDER_SEQUENCE_NUMBER. The new session's InitProducerId aborts the open
+        transaction and bumps the epoch, so nothing of the old session can land in the next one.
+        """
+        self._phase = _Phase.FAILED
+        if self.fenced_at_coordinator():  # a newer producer owns the id: start nothing
+            raise ProducerFencedError(f"abort_transaction: {self._ids()} was fenced by a newer "
+                                      "producer of the same transactional id")
+        log.warning("aborting %s, whose records were not all acknowledged, by starting a new "
+                    "session", self._ids())
+        self._restart_session()  # raises a typed error if no session can be started now
+        self._prepared = None
+        log.info("aborted %s", self._ids())
 
     def close(self) -> None:
         """Release the producer, leaving an open or prepared transaction open at the coordinator
