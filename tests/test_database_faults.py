@@ -252,6 +252,24 @@ def test_session_terminated_while_idle_and_its_replacement_too(
     assert assert_invariant(engine, bootstrap, topic) == [b"kept", b"next"]
 
 
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_the_database_lost_under_the_applications_statement_is_typed(
+        make_writer: Any, engine: sa.Engine, bootstrap: str, topic: str, db_url: str) -> None:
+    """The session is terminated just before the block's own INSERT (the fault suite's
+    PostgreSQL restart): the application gets DatabaseUnreachableError, not psycopg's error
+    through SQLAlchemy; nothing was decided, and the same writer's next transaction works."""
+    writer = make_writer(engine, unique("fault-app-stmt"))
+    write(writer, topic, ["kept"])
+    with pytest.raises(DatabaseUnreachableError) as failed, writer.transaction() as tx:
+        tx.produce(topic, b"lost", key=b"lost")
+        conn = tx.connection
+        _kill_backend(db_url, _backend_pid(conn))
+        conn.execute(sa.text("INSERT INTO app_rows (value) VALUES ('lost')"))
+    _typed(failed, DatabaseUnreachableError)
+    write(writer, topic, ["next"])
+    assert assert_invariant(engine, bootstrap, topic) == [b"kept", b"next"]
+
+
 # -- PostgreSQL: locks and conflicts -----------------------------------------------------------
 
 

@@ -46,15 +46,8 @@ from dualwrite.participant.completion import (
 from dualwrite.participant.control_plane import ControlPlane, TransactionDescription, TxnState
 from dualwrite.participant.outcome import Outcome
 from dualwrite.participant.prepared_state import PreparedTxnState
-from dualwrite.recovery.report import (
-    InDoubt,
-    RecoveryReport,
-    RecoveryResult,
-    SinkParticipantStatus,
-    SinkRecoveryResult,
-    SinkStatus,
-    StatusReport,
-)
+from dualwrite.recovery import report as reports
+from dualwrite.recovery.report import RecoveryResult, SinkRecoveryResult
 from dualwrite.writer.lease import Leases
 from dualwrite.writer.state_store import StateRow, StateStore
 
@@ -347,7 +340,7 @@ def recover(engine: Engine | str, kafka_config: Mapping[str, Any],
             transactional_ids: Sequence[str] | None = None, *,
             sink_ids: Sequence[str] | None = None, parallelism: int = 8,
             acknowledge_heuristic: bool = False, timeout_s: float = 30.0,
-            progress: Progress | None = None) -> RecoveryReport:
+            progress: Progress | None = None) -> reports.RecoveryReport:
     """Resolve all (or the given) transactional ids of the state table and the batch sinks of
     the decision log; safe to run twice.
 
@@ -377,14 +370,14 @@ def recover(engine: Engine | str, kafka_config: Mapping[str, Any],
             run = RecoveryRun(engine, cp, kafka_config, acknowledge_heuristic=acknowledge_heuristic,
                               timeout_s=timeout_s, parallelism=parallelism)
             results, sink_results = run.run(ids, sinks, progress)
-    report = RecoveryReport(tuple(results), time.monotonic() - started, tuple(sink_results))
+    report = reports.RecoveryReport(tuple(results), time.monotonic() - started, tuple(sink_results))
     log.info("recovery finished in %.2f s: %s; sinks %s", report.elapsed_s,
              report.as_dict()["counts"], {s.sink_id: s.outcome.value for s in report.sinks})
     return report
 
 
 def status(engine: Engine | str, kafka_config: Mapping[str, Any], *,
-           prefix: str | None = None, timeout_s: float = 30.0) -> StatusReport:
+           prefix: str | None = None, timeout_s: float = 30.0) -> reports.StatusReport:
     """State rows joined with the coordinator's view, batch sinks, and hanging transactions.
 
     A hanging transaction is open at the broker under a transactional id that has no state row
@@ -422,12 +415,15 @@ def status(engine: Engine | str, kafka_config: Mapping[str, Any], *,
             (d for d in open_now if owner(d.transactional_id) == r.sink_id
              and d.transactional_id not in keep), key=lambda d: d.transactional_id)
     sinks = tuple(
-        SinkStatus(r.sink_id, r.last_batch_id, r.completed, r.decided_at, r.completed_at,
-                   tuple(SinkParticipantStatus(p.partition_id, p.transactional_id, p.state,
-                                               p.records, described.get(p.transactional_id))
-                         for p in r.participants),
-                   tuple(lingering[r.sink_id]))
+        reports.SinkStatus(
+            r.sink_id, r.last_batch_id, r.completed, r.decided_at, r.completed_at,
+            tuple(reports.SinkParticipantStatus(p.partition_id, p.transactional_id, p.state,
+                                                p.records, described.get(p.transactional_id))
+                  for p in r.participants),
+            tuple(lingering[r.sink_id]))
         for r in records)
-    joined = tuple(InDoubt(r.transactional_id, r.prepared_txn_state, r.updated_at.astimezone(UTC),
-                           described.get(r.transactional_id)) for r in rows)
-    return StatusReport(joined, tuple(sorted(hanging, key=lambda d: d.transactional_id)), sinks)
+    joined = tuple(reports.InDoubt(r.transactional_id, r.prepared_txn_state,
+                                   r.updated_at.astimezone(UTC), described.get(r.transactional_id))
+                   for r in rows)
+    hanging_sorted = tuple(sorted(hanging, key=lambda d: d.transactional_id))
+    return reports.StatusReport(joined, hanging_sorted, sinks)

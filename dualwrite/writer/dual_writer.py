@@ -362,11 +362,15 @@ class DualWriter:
                 verified = self._helper.submit(self._verify, producer, state)
                 self._store.write(conn, self._tid, str(state))
                 verified.result()
-        except BaseException:
+        except BaseException as exc:
             held, producer = tx.bound()
             if held is not None:
                 self._rollback(held)
             self._abort_quietly(producer)
+            lost = self._database_lost(exc)
+            if lost is not None:
+                self._drop_connection()
+                raise lost from exc
             raise
         try:
             self._decide(conn, producer, state, state_written=verify)
@@ -377,6 +381,15 @@ class DualWriter:
             raise
         self._settled = str(state)
         self._hooks.kafka_committed(state)
+
+    def _database_lost(self, exc: BaseException) -> DualWriteError | None:
+        """:class:`DatabaseUnreachableError` when the block's own statement failed because the
+        database went away (its transaction is lost, nothing was decided); None for the other
+        errors of the application's statements, which reach it unchanged."""
+        if not isinstance(exc, sa.exc.DBAPIError):
+            return None
+        typed = database_error(exc, self._engine.url)
+        return typed if isinstance(typed, DatabaseUnreachableError) else None
 
     def _verify(self, producer: TwoPhaseProducer, state: PreparedTxnState) -> None:
         """The coordinator check, on the helper thread."""
