@@ -46,6 +46,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--soak", action="store_true", default=False, help="also run tests marked `slow`"
     )
+    parser.addoption(
+        "--faults", type=int, default=0, metavar="N",
+        help="also run the long fault suite: N mixed faults on a 3-broker cluster",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

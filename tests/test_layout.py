@@ -69,9 +69,10 @@ def test_no_module_uses_another_modules_underscore_names() -> None:
     for path in _modules():
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
+            own = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id in ("self", "cls")
             if (isinstance(node, ast.Attribute) and node.attr[:1] == "_"
-                    and node.attr[1:2].islower()
-                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                    and node.attr[1:2].islower() and not own):
                 wrong.append(f"{path.relative_to(PACKAGE)}:{node.lineno} .{node.attr}")
         package = ".".join(("dualwrite", *path.relative_to(PACKAGE).parts[:-1]))
         for line, module, names in _dualwrite_imports(path):

@@ -1,0 +1,162 @@
+"""Issue 10: the fault suite. DualWriter workers on a 3-broker cluster and PostgreSQL, under faults.
+
+A fresh cluster of three broker+controller nodes (topic RF 3, min ISR 2; transaction log RF 3,
+min ISR 2) and a private PostgreSQL server (synchronous commits: an immediate shutdown must not
+lose an acknowledged COMMIT). ``tests/fault_worker.py`` processes run transactions without pause
+while :class:`tests._fault_runner.FaultRunner` injects, at random moments: SIGKILL of the
+transaction coordinator of a worker's id, of a partition leader, of a random broker (each started
+again); SIGSTOP/SIGCONT of a broker for a few seconds longer than the clients' request timeout; a
+clean rolling restart of the three brokers; SIGKILL of a worker (a new process of the same
+transactional id takes over); ``pg_ctl stop -m immediate`` and start.
+
+After the run: ``dualwrite.recover``, then the invariant (read_committed records == committed
+rows, no duplicate, nothing a worker saw commit lost, nothing left open at any coordinator) and
+the rule that only ``RetriableError`` reaches the application. The metrics are printed.
+
+The default test runs a short schedule (every kind of fault); ``pytest --faults N`` runs a long
+one of N mixed faults and reports RSS, threads and open fds of a worker that lives through it.
+``DUALWRITE_FAULT_SEED`` replays a schedule; ``DUALWRITE_FAULT_DIR`` keeps the workers' journals
+(one JSON line per commit or error, with its stack) and ``errors.txt`` (one stack per error type).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dualwrite
+from dualwrite.dev import LocalKafkaCluster, LocalPostgres
+from tests._fault_runner import KINDS, FaultRunner, Metrics, pg_ctl
+
+KAFKA_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA_VERSION", "4.3.1")
+SHORT_SCHEDULE = ("worker-kill", "broker-pause", "coordinator-kill", "postgres-restart",
+                  "leader-kill", "worker-kill", "broker-kill", "broker-pause",
+                  "postgres-restart", "rolling-restart")
+WEIGHTS = {"coordinator-kill": 3, "leader-kill": 3, "broker-kill": 2, "broker-pause": 3,
+           "rolling-restart": 1, "worker-kill": 3, "postgres-restart": 2}
+WORKERS = 3
+
+
+@pytest.fixture(scope="module")
+def fault_cluster() -> Iterator[LocalKafkaCluster]:
+    """Three nodes of this module's own: its faults must not disturb the shared broker."""
+    with LocalKafkaCluster(brokers=3, kafka_version=KAFKA_VERSION, backend="jars",
+                           heap="512m", startup_timeout=300) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def fault_pg() -> Iterator[LocalPostgres]:
+    """A PostgreSQL server of this module's own (it is restarted), with synchronous commits."""
+    pg = LocalPostgres(backend="binaries", settings={"synchronous_commit": "on"})
+    pg.start()
+    try:
+        dualwrite.upgrade_database(pg.url)
+        engine = dualwrite.create_engine(pg.url)
+        with engine.begin() as conn:
+            conn.exec_driver_sql("CREATE TABLE fault_rows (id VARCHAR(200) PRIMARY KEY, "
+                                 "worker VARCHAR(200) NOT NULL)")
+        engine.dispose()
+        yield pg
+    finally:
+        with contextlib.suppress(Exception):  # the server pg_ctl started, if it runs
+            pg_ctl(pg, "stop", "-m", "fast", "-w")
+        pg.stop()
+
+
+def _heal(cluster: LocalKafkaCluster, pg: LocalPostgres) -> None:
+    """Every broker running and not paused, PostgreSQL up (after a run that failed midway)."""
+    for node in cluster.nodes:
+        cluster.resume_broker(node.index)
+        if not cluster.is_running(node.index):
+            cluster.restart_broker(node.index)
+    try:
+        pg_ctl(pg, "status")
+    except Exception:
+        assert pg.data_dir is not None
+        pg_ctl(pg, "start", "-w", "-l", str(pg.data_dir / "postgres.log"))
+
+
+def run_suite(cluster: LocalKafkaCluster, pg: LocalPostgres, tmp_path: Path,
+              schedule: list[str], *, seed: int, sample: bool = False) -> Metrics:
+    _heal(cluster, pg)
+    run = f"fault-{uuid.uuid4().hex[:8]}"
+    keep = os.environ.get("DUALWRITE_FAULT_DIR")
+    workdir = Path(keep) / run if keep else tmp_path
+    workdir.mkdir(parents=True, exist_ok=True)
+    topic = cluster.create_topic(f"{run}-topic", partitions=6)
+    tids = [f"{run}-w{k}" for k in range(WORKERS)]
+    runner = FaultRunner(cluster, pg, topic, tids, workdir, seed=seed,
+                         protected=tids[0] if sample else None)
+    runner.start_workers()
+    try:
+        warm = runner.wait_for_commits(0.0, timeout=120)
+        assert not warm, f"workers never committed before any fault: {warm}"
+        runner.sample("start")
+        runner.run(schedule)
+        stalled = runner.wait_for_commits(runner.faults[-1].ended, timeout=60)
+        runner.sample("end")
+    finally:
+        runner.stop_workers()
+        _heal(cluster, pg)
+    metrics = runner.verify(stalled)
+    (workdir / "errors.txt").write_text("\n\n".join(runner.error_samples()), encoding="utf-8")
+    metrics.details["workdir"] = [str(workdir)]
+    return metrics
+
+
+def _check(metrics: Metrics, capsys: pytest.CaptureFixture[str]) -> None:
+    with capsys.disabled():
+        print(f"\n{metrics.report()}")
+    bad = {k: v for k, v in metrics.anomalies.items() if v}
+    assert not bad, f"anomalies {bad}:\n{metrics.report()}"
+
+
+def _seed() -> int:
+    return int(os.environ.get("DUALWRITE_FAULT_SEED") or random.randrange(1 << 30))
+
+
+@pytest.mark.timeout(480)
+def test_fault_suite_short(fault_cluster: LocalKafkaCluster, fault_pg: LocalPostgres,
+                           tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    seed = _seed()
+    schedule = list(SHORT_SCHEDULE)
+    random.Random(seed).shuffle(schedule)
+    with capsys.disabled():
+        print(f"\nfault suite seed {seed}: {schedule}")
+    metrics = run_suite(fault_cluster, fault_pg, tmp_path, schedule, seed=seed)
+    assert set(metrics.faults) == set(KINDS)
+    _check(metrics, capsys)
+
+
+@pytest.mark.timeout(6 * 3600)
+def test_fault_suite_long(fault_cluster: LocalKafkaCluster, fault_pg: LocalPostgres,
+                          tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                          request: pytest.FixtureRequest) -> None:
+    count = int(request.config.getoption("--faults"))
+    if count <= 0:
+        pytest.skip("long fault suite: run with --faults N")
+    seed = _seed()
+    rng = random.Random(seed)
+    kinds = list(WEIGHTS)
+    schedule = list(KINDS)[:count]
+    rng.shuffle(schedule)
+    schedule += rng.choices(kinds, weights=[WEIGHTS[k] for k in kinds],
+                            k=max(0, count - len(schedule)))
+    with capsys.disabled():
+        print(f"\nlong fault suite seed {seed}: {count} faults")
+    started = time.monotonic()
+    metrics = run_suite(fault_cluster, fault_pg, tmp_path, schedule, seed=seed, sample=True)
+    with capsys.disabled():
+        print(f"long fault suite took {time.monotonic() - started:.0f} s")
+    assert sum(metrics.faults.values()) == count
+    _check(metrics, capsys)
+    assert set(metrics.resources) == {"start", "end"}
+
