@@ -188,9 +188,8 @@ def raise_for_code(code: int, context: str, *, resource: str | None = None) -> N
 # the advice added to the message. Broker codes keep their protocol numbers (47, 90, 29 …);
 # librdkafka's own are negative (_FENCED).
 _FENCED_ADVICE = "another producer with this transactional id took over — stop this one"
-_ACL_ADVICE = ("grant the missing ACL (WRITE on the transactional id and topics, "
-               "IDEMPOTENT_WRITE on the cluster; READ on the topics for recovery's anchor "
-               "check; see README.md, \"Secured clusters\")")
+_ACL_ADVICE = ("grant the missing ACL (WRITE on the transactional id and topics; READ on the "
+               "topics for recovery's anchor check; see README.md, \"Secured clusters\")")
 _LIBRDKAFKA_BY_CODE: dict[int, tuple[type[DualWriteError], str]] = {
     KafkaError._FENCED: (ProducerFencedError, _FENCED_ADVICE),
     KafkaError.PRODUCER_FENCED: (ProducerFencedError, _FENCED_ADVICE),

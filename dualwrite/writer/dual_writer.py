@@ -166,7 +166,8 @@ class DualWriter:
     it out, and ending or fencing it takes a writer of the same transactional id or recovery,
     which claim the id first (:meth:`StateStore.claim`) and act only under the state-row lock.
     A claim before the lock was granted shows in the row's fencing generation, and the writer
-    starts the transaction over (aborting it and sending its records again); a fence that
+    starts the transaction over in a new session (aborting it and sending its records again,
+    under a new epoch that a late EndTxn of whoever claimed cannot reach); a fence that
     comes earlier, or a delivery failure, fails the flush instead. ``"always"`` asks every time.
     Either way a commit that Kafka refuses later is reported, never ignored
     (:class:`HeuristicAbortError`).
