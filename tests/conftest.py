@@ -15,6 +15,7 @@ Environment variables:
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import uuid
@@ -59,6 +60,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _kafka_logger_level() -> Iterator[None]:
+    """The CLI, when a test runs it in-process, quiets kafka-python's logger for the whole
+    process; restore its level so that later tests see what they log."""
+    kafka_logger = logging.getLogger("kafka")
+    level = kafka_logger.level
+    yield
+    kafka_logger.setLevel(level)
 
 
 def _cluster(
