@@ -183,6 +183,19 @@ def test_coordinator_answering_late(cluster: LocalKafkaCluster, proxy: TcpProxy,
 
 # -- KAFKA-17754 inside one session ---------------------------------------------------------
 
+
+def _with_t1_prepared(cluster: LocalKafkaCluster, tid: str,
+                      topic: str) -> dualwrite.TwoPhaseProducer:
+    """A producer through the proxy whose transaction T1 (one record, ``t1``) is prepared."""
+    producer = dualwrite.TwoPhaseProducer(_config(cluster, **{"transactional.id": tid,
+                                                              "linger.ms": 0}), timeout_s=15)
+    producer.init_transactions()
+    producer.begin_transaction()
+    producer.produce(topic, b"t1")
+    producer.prepare_transaction()
+    return producer
+
+
 def test_late_endtxn_copy_cannot_end_the_next_transaction(cluster: LocalKafkaCluster,
                                                           proxy: TcpProxy, topic: str) -> None:
     """T1's EndTxn(commit) is held on its connection; librdkafka times it out and sends it again
@@ -191,13 +204,8 @@ def test_late_endtxn_copy_cannot_end_the_next_transaction(cluster: LocalKafkaClu
     before its commit, and its abort refused with INVALID_TXN_STATE). The producer now starts a
     new session after such a commit, so the late copy carries a stale epoch and is refused."""
     tid = unique("kafka-17754")
-    producer = dualwrite.TwoPhaseProducer(_config(cluster, **{"transactional.id": tid,
-                                                              "linger.ms": 0}), timeout_s=15)
+    producer = _with_t1_prepared(cluster, tid, topic)
     try:
-        producer.init_transactions()
-        producer.begin_transaction()
-        producer.produce(topic, b"t1")
-        producer.prepare_transaction()
         before = producer.identity
         held = proxy.hold_next_request(kafka_api(END_TXN))
         producer.commit_transaction()  # librdkafka re-sends EndTxn after socket.timeout.ms
@@ -224,13 +232,8 @@ def test_late_abort_copy_cannot_end_the_next_transaction(cluster: LocalKafkaClus
     epoch), and T2's records would be lost after the database decided them. The producer starts
     a new session after such an abort too, so T2 commits."""
     tid = unique("abort-17754")
-    producer = dualwrite.TwoPhaseProducer(_config(cluster, **{"transactional.id": tid,
-                                                              "linger.ms": 0}), timeout_s=15)
+    producer = _with_t1_prepared(cluster, tid, topic)
     try:
-        producer.init_transactions()
-        producer.begin_transaction()
-        producer.produce(topic, b"t1")
-        producer.prepare_transaction()
         before = producer.identity
         held = proxy.hold_next_request(kafka_api(END_TXN))
         producer.abort_transaction()  # librdkafka re-sends EndTxn after socket.timeout.ms
