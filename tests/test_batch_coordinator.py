@@ -341,6 +341,33 @@ def test_staging_publishes_only_the_winning_attempts(engine: sa.Engine, kconf: d
         assert copies == []
 
 
+def test_a_stragglers_late_staging_is_dropped_with_its_transaction(
+        engine: sa.Engine, kconf: dict[str, Any], cp: ControlPlane, bootstrap: str, topic: str,
+        sink: str) -> None:
+    """A losing attempt that stages (and opens a transaction) after its batch was decided and
+    cleaned up: ``abort_lingering`` (the sink's close, ``dualwrite recover``) aborts the
+    transaction and drops its rows; staged rows of a later, undecided batch stay."""
+    sa.Table("items", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True),
+             sa.Column("name", sa.String(50))).create(engine)
+    staging = StagingTable(engine, "items")
+    staging.create()
+    staging.write(sink, 5, "k-win", [(1, "winner")])
+    winner = prepare(bootstrap, cp, sink, topic, 5, 0, 1, ["winner"], attempt_key="k-win")
+    with coordinator(sink, engine, kconf, cp, staging=staging) as coord:
+        assert coord.finish(5, [winner]) is not None
+        assert staging.count(sink) == 0
+        staging.write(sink, 5, "k-late", [(10, "straggler")])  # after the batch's clean-up
+        late = prepare(bootstrap, cp, sink, topic, 5, 0, 0, ["straggler"], attempt_key="k-late")
+        staging.write(sink, 6, "k-next", [(20, "next batch, undecided")])
+        assert coord.abort_lingering() == [late.transactional_id]
+    assert staging.count(sink) == 1, "the straggler's staged rows stayed"
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT id FROM items_dw_staging")).scalar_one() == 20
+        assert conn.execute(sa.text("SELECT id FROM items")).scalars().all() == [1]
+    assert open_in_pool(cp, sink) == []
+    assert read_committed(bootstrap, topic) == encoded("winner")
+
+
 def test_status_shows_the_in_doubt_batch_and_lingering(engine: sa.Engine, kconf: dict[str, Any],
                                                        cp: ControlPlane, bootstrap: str,
                                                        topic: str, sink: str) -> None:

@@ -320,7 +320,8 @@ class BatchCoordinator:
             return exc
 
     def abort_lingering(self) -> list[str]:
-        """Abort the pool's open transactions except an in-doubt batch's participants.
+        """Abort the pool's open transactions except an in-doubt batch's participants, and drop
+        the staged rows of decided batches (a straggler can stage after its batch's clean-up).
 
         The keep-set is read and the sweep runs under the sink's decision lock, so a decision in
         progress (by a driver beside it) is waited for and its participants are kept.
@@ -330,7 +331,14 @@ class BatchCoordinator:
                 self._check_readable(record)
             keep = {p.transactional_id for p in record.participants} \
                 if record is not None and record.in_doubt else set()
-            return self.sweep(keep=keep)
+            aborted = self.sweep(keep=keep)
+        if self.staging is not None and record is not None:
+            # A decided batch's winners were published in its decision; what is left is garbage.
+            purged = self.staging.purge(self.sink_id, up_to_batch=record.last_batch_id)
+            if purged:
+                log.info("sink=%s dropped %d staged rows of decided batches (stragglers)",
+                         self.sink_id, purged)
+        return aborted
 
     def sweep(self, keep: Sequence[str] | set[str]) -> list[str]:
         """Abort every open transaction of the sink's id pool except ``keep``."""

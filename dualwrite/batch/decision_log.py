@@ -478,6 +478,14 @@ class StagingTable:
             result = conn.execute(sa.delete(self.table).where(condition))
         return result.rowcount
 
+    def discard(self, sink_id: str, batch_id: int, attempt_key: str) -> int:
+        """Delete one task attempt's staged rows (a straggler of a batch already decided)."""
+        s = self.table.c
+        with transaction(self.engine) as conn:
+            result = conn.execute(sa.delete(self.table).where(
+                s.dw_sink_id == sink_id, s.dw_batch_id == batch_id, s.dw_attempt == attempt_key))
+        return result.rowcount
+
     def count(self, sink_id: str | None = None) -> int:
         query = sa.select(sa.func.count()).select_from(self.table)
         if sink_id is not None:

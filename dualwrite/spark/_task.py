@@ -19,7 +19,7 @@ import pyarrow as pa
 from pyspark import TaskContext
 from sqlalchemy import Engine, make_url
 
-from dualwrite.batch.decision_log import StagingTable
+from dualwrite.batch.decision_log import DecisionLog, StagingTable
 from dualwrite.batch.naming import transactional_id
 from dualwrite.database import create_engine, mask_url
 from dualwrite.participant.control_plane import ControlPlane
@@ -113,6 +113,12 @@ def _staging_table(plan: TaskPlan) -> StagingTable:
         return table
 
 
+def _decided(plan: TaskPlan, staging: StagingTable) -> bool:
+    """Whether the decision log already holds this task's batch (or a later one)."""
+    record = DecisionLog(staging.engine).read(plan.sink_id)
+    return record is not None and record.last_batch_id >= plan.batch_id
+
+
 def _start_producer(plan: TaskPlan, tid: str) -> Future[TwoPhaseProducer]:
     def start() -> TwoPhaseProducer:
         config = {**plan.producer_config, "transactional.id": tid}
@@ -166,6 +172,17 @@ def write_partition(plan: TaskPlan, batches: Iterator[pa.RecordBatch]
             with contextlib.suppress(Exception):
                 starting.result().close()
     if producer is None:
+        return
+    if staging is not None and _decided(plan, staging):
+        # A straggler whose batch a faster attempt already won. Its rows were staged before
+        # this read, so either the batch's clean-up (after the decision) sees them or they are
+        # dropped here; nothing of it stays in the staging table.
+        staging.discard(plan.sink_id, plan.batch_id, attempt_key)
+        producer.abort_transaction()
+        producer.close()
+        log.info("sink=%s batch=%d partition=%d attempt=%d: the batch was decided without this "
+                 "attempt; aborted transactional_id=%s", plan.sink_id, plan.batch_id,
+                 partition_id, attempt, tid)
         return
     state = producer.prepare_transaction()
     producer.close()  # drops the handle; the transaction stays open for the driver
