@@ -20,6 +20,7 @@ __all__ = [
     "BatchInDoubtError",
     "BrokerUnreachableError",
     "DatabaseUnreachableError",
+    "DeliveryTimeoutError",
     "DualWriteError",
     "FatalError",
     "HeuristicAbortError",
@@ -66,6 +67,11 @@ class HeuristicOutcomeError(DualWriteError):
 
 class BrokerUnreachableError(RetriableError):
     """No Kafka broker answered within the timeout."""
+
+
+class DeliveryTimeoutError(RetriableError):
+    """Records of the open transaction were not acknowledged in time (a leader election, a
+    coordinator move, a paused broker); nothing was decided. Abort, then retry."""
 
 
 class LockTimeoutError(RetriableError):

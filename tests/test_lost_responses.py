@@ -28,6 +28,7 @@ from dualwrite.database import normalize_url
 from dualwrite.dev import LocalKafkaCluster
 from dualwrite.dev.security import application_acls, write_properties_file
 from dualwrite.participant.control_plane import ControlPlane
+from dualwrite.writer import PhaseHooks
 from dualwrite.writer.state_store import StateStore
 from tests._kafka_helpers import read_committed, unique
 from tests._tcp_proxy import TcpProxy, contains, kafka_api
@@ -281,6 +282,41 @@ def test_an_abort_after_unacknowledged_records_starts_a_new_session(
         assert read_committed(cluster.bootstrap_servers, topic, 10) == [b"t2"]
     finally:
         producer.close()
+
+
+class _Resends(PhaseHooks):
+    def __init__(self) -> None:
+        self.records: list[int] = []
+
+    def resending(self, records: int) -> None:
+        self.records.append(records)
+
+
+def test_a_stalled_flush_is_sent_again_in_a_new_session(
+        cluster: LocalKafkaCluster, proxy: TcpProxy, topic: str, pg_url: str) -> None:
+    """The Produce of a DualWriter transaction is held on its connection, longer than half the
+    writer's timeout and shorter than librdkafka's request timeout (it would wait 30 s): the
+    writer aborts by a new session and sends the records again, and the transaction commits
+    without an error reaching the application. The held Produce, released, is refused."""
+    tid = unique("stalled")
+    hooks = _Resends()
+    conf = _config(cluster, **{"socket.timeout.ms": 30000, "linger.ms": 0})
+    with DualWriter(pg_url, conf, transactional_id=tid, timeout_s=8, hooks=hooks) as writer:
+        _write(writer, topic, "a")
+        held = proxy.hold_next_request(kafka_api(PRODUCE))
+        started = time.monotonic()
+        with writer.transaction() as tx:
+            tx.produce(topic, b"b1", key="b1")
+            tx.produce(topic, b"b2", key="b2")
+            tx.connection.execute(sa.insert(ORDERS), [{"id": "b1"}, {"id": "b2"}])
+        took = time.monotonic() - started
+        assert held.is_set()
+        proxy.release()  # the first session's Produce reaches the broker now
+        _write(writer, topic, "c")
+    print(f"stalled flush: committed in {took:.1f} s, resent {hooks.records}")
+    assert hooks.records == [2]
+    assert took < 8 + 8, "the transaction outlived the writer's timeout and the new session"
+    assert _check_invariant(cluster, pg_url, topic, [tid]) == 4
 
 
 def test_late_control_plane_endtxn_cannot_end_the_next_transaction(

@@ -17,6 +17,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from dualwrite.errors import (
+    DeliveryTimeoutError,
     DualWriteError,
     FatalError,
     HeuristicAbortError,
@@ -358,25 +359,31 @@ class TwoPhaseProducer:
             return
         self._first_raw.setdefault((msg.topic(), msg.partition()), msg.offset())
 
-    def flush_and_state(self) -> PreparedTxnState:
+    def flush_and_state(self, timeout_s: float | None = None, *,
+                        stall_s: float | None = None) -> PreparedTxnState:
         """Flush, fail on any delivery error, and compute the state (no coordinator round trip).
 
         :meth:`prepare_transaction` is this plus :meth:`verify_prepared`; the DualWriter runs the
-        two halves separately so the coordinator check overlaps the database write.
+        two halves separately so the coordinator check overlaps the database write. Records not
+        acknowledged within ``timeout_s`` (default: the producer's), or with none acknowledged
+        for ``stall_s``, raise :class:`DeliveryTimeoutError`.
         """
         self._require(_Phase.IN_TRANSACTION, verb="prepare_transaction")
         assert self._producer is not None
         self._unconfirmed = True  # until every record is acknowledged
+        wait_s = self._timeout_s if timeout_s is None else timeout_s
         try:
-            remaining = self._producer.flush(self._timeout_s)
+            remaining = self._flush(wait_s, stall_s)
         except (KafkaException, SystemError) as exc:
             raise self._fail(exc, "flush") from exc
         if self._fatal is not None:
             raise self._fail(KafkaException(self._fatal), "flush")
         if remaining:
             self._phase = _Phase.FAILED
-            raise RetriableError(f"{remaining} records not delivered within {self._timeout_s:g} s; "
-                                 f"abort_transaction() and retry ({self._ids()})")
+            stalled = f", or none acknowledged for {stall_s:g} s" if stall_s else ""
+            raise DeliveryTimeoutError(f"{remaining} records not delivered within {wait_s:g} s"
+                                       f"{stalled}; abort_transaction() and retry "
+                                       f"({self._ids()})")
         if self._delivery_errors:
             self._phase = _Phase.FAILED
             for where, err in self._delivery_errors:
@@ -410,6 +417,24 @@ class TwoPhaseProducer:
         self._phase = _Phase.PREPARED
         self._unconfirmed = False
         return state
+
+    def _flush(self, wait_s: float, stall_s: float | None) -> int:
+        """librdkafka's flush, given up after ``wait_s``, or after ``stall_s`` without progress;
+        returns the records still unacknowledged."""
+        assert self._producer is not None
+        started = progressed = time.monotonic()
+        least = len(self._producer)
+        while True:
+            now = time.monotonic()
+            left = started + wait_s - now
+            remaining = self._producer.flush(max(0.0, min(0.5, left)) if stall_s else left)
+            now = time.monotonic()
+            if remaining == 0 or now >= started + wait_s:
+                return remaining
+            if remaining < least:
+                least, progressed = remaining, now
+            elif stall_s is not None and now - progressed >= stall_s:
+                return remaining
 
     def verify_prepared(self) -> None:
         """Check with the coordinator that our transaction is open and holds every partition."""

@@ -26,6 +26,7 @@ from sqlalchemy import Connection, Engine
 from dualwrite.database import create_engine, database_error
 from dualwrite.errors import (
     DatabaseUnreachableError,
+    DeliveryTimeoutError,
     DualWriteError,
     FatalError,
     HeuristicAbortError,
@@ -82,6 +83,10 @@ class PhaseHooks:
     def locked(self) -> None:
         """The state row is locked under this writer's claim and the stored state settled."""
 
+    def resending(self, records: int) -> None:
+        """The flush stalled: the transaction was aborted by a new session, which sends its
+        ``records`` again (before ``prepared``)."""
+
     def prepared(self, state: PreparedTxnState) -> None:
         """The records are flushed and acknowledged; ``state`` names the transaction."""
 
@@ -111,8 +116,8 @@ class DualWriteTransaction:
         self._connection = connection
         self._producer = producer
         self._late_lock = late_lock
-        self._sent: list[_Record] = []
-        """Records produced before the lock, sent again should the transaction start over."""
+        self._records: list[_Record] = []
+        """Every record of the transaction, sent again should it start over in a new session."""
         self.state: PreparedTxnState | None = None
         """The prepared state, set once the block has prepared (for logging and tests)."""
 
@@ -132,10 +137,14 @@ class DualWriteTransaction:
                 headers: Headers | None = None) -> None:
         """Send a record in this transaction; it becomes visible iff the rows commit."""
         self._producer.produce(topic, value, key, partition=partition, headers=headers)
+        self._records.append((topic, value, key, partition, headers))
         if self._late_lock is not None:
             # The first record is on its way (AddPartitionsToTxn first): lock now.
-            self._sent.append((topic, value, key, partition, headers))
             self._take_late_lock()
+
+    def records(self) -> tuple[_Record, ...]:
+        """The records produced so far, in order."""
+        return tuple(self._records)
 
     def bound(self) -> tuple[Connection | None, TwoPhaseProducer]:
         """The connection (None until the deferred lock is taken) and the producer the
@@ -145,8 +154,7 @@ class DualWriteTransaction:
     def _take_late_lock(self) -> None:
         late_lock, self._late_lock = self._late_lock, None
         if late_lock is not None:
-            sent, self._sent = self._sent, []
-            self._connection, self._producer = late_lock(self._producer, sent)
+            self._connection, self._producer = late_lock(self._producer, self.records())
 
 
 class DualWriter:
@@ -354,7 +362,7 @@ class DualWriter:
             yield tx
             conn = tx.connection  # takes the deferred lock if the block did not
             _, producer = tx.bound()
-            state = producer.flush_and_state()
+            state = self._flush(tx, producer)
             tx.state = state
             self._hooks.prepared(state)
             verify = self._needs_verification(producer)
@@ -382,6 +390,29 @@ class DualWriter:
             raise
         self._settled = str(state)
         self._hooks.kafka_committed(state)
+
+    def _flush(self, tx: DualWriteTransaction, producer: TwoPhaseProducer) -> PreparedTxnState:
+        """Flush; if no record is acknowledged for half the timeout (a leader election, a
+        coordinator move, a paused broker, a connection librdkafka waits out), send the records
+        once more in a new session, under the same row lock, within the rest of the timeout.
+
+        The abort starts the new session (the records were not all acknowledged): its
+        InitProducerId aborts the stuck transaction and bumps the epoch, so nothing the old
+        session still has in flight can land in the new transaction (KAFKA-17754).
+        """
+        deadline = time.monotonic() + self._timeout_s
+        try:
+            return producer.flush_and_state(stall_s=self._timeout_s / 2)
+        except DeliveryTimeoutError as exc:
+            records = tx.records()
+            log.warning("transactional_id=%s: %s; sending its %d records again in a new session",
+                        self._tid, exc, len(records))
+        producer.abort_transaction()
+        self._hooks.resending(len(records))
+        producer.begin_transaction()
+        for topic, value, key, partition, headers in records:
+            producer.produce(topic, value, key, partition=partition, headers=headers)
+        return producer.flush_and_state(max(deadline - time.monotonic(), self._timeout_s / 4))
 
     def _database_lost(self, exc: BaseException) -> DualWriteError | None:
         """:class:`DatabaseUnreachableError` when the block's own statement failed because the
