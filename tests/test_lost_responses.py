@@ -378,6 +378,37 @@ def test_database_connection_cut_during_commit(cluster: LocalKafkaCluster, proxy
     assert _check_invariant(cluster, pg_url, topic, [tid]) >= 2
 
 
+def test_commit_outcome_asked_until_the_database_answers(cluster: LocalKafkaCluster,
+                                                         proxy: TcpProxy, topic: str,
+                                                         pg_url: str) -> None:
+    """The COMMIT's answer is lost and new database connections are refused for 3 s (a server
+    restarting): the writer keeps asking within its timeout and finishes the transaction instead
+    of reporting "database unreachable, retry" for a COMMIT that did apply."""
+    url = sa.engine.make_url(pg_url)
+    assert url.port is not None
+    with TcpProxy(url.port) as pg_proxy:
+        through = url.set(port=pg_proxy.port).render_as_string(hide_password=False)
+        # No pool: every question about the outcome needs a new connection.
+        engine = dualwrite.create_engine(through, poolclass=sa.pool.NullPool)
+        tid = unique("pg-ask")
+        try:
+            with DualWriter(engine, _config(cluster), transactional_id=tid,
+                            timeout_s=15) as writer:
+                _write(writer, topic, "a")
+                cut = pg_proxy.drop_next_response(contains(b"COMMIT"))
+                with writer.transaction() as tx:
+                    tx.produce(topic, b"b", key="b")
+                    tx.connection.execute(sa.insert(ORDERS).values(id="b"))
+                    pg_proxy.refuse(True)
+                    threading.Timer(3.0, pg_proxy.refuse, args=(False,)).start()
+                assert cut.is_set()
+                _write(writer, topic, "c")
+        finally:
+            engine.dispose()
+    assert _rows(pg_url) == ["a", "b", "c"]
+    assert _check_invariant(cluster, pg_url, topic, [tid]) == 3
+
+
 # -- `dualwrite recover`: a fatal error is not "unresolved, retry" ------------------------------
 
 def test_recover_exits_with_the_error_code_on_a_fatal_failure(

@@ -674,9 +674,16 @@ class DualWriter:
             try:
                 status = self._store.transaction_status(xid)
             except DatabaseUnreachableError as exc:
-                raise DatabaseUnreachableError(
-                    f"{unknown} and the database cannot be asked ({exc}); the Kafka transaction "
-                    "stays open: run `dualwrite recover` when the database is back") from exc
+                # A restarting server or a cut connection: ask again until the deadline. The
+                # outcome is not known, so it must not reach the caller as "retry".
+                if time.monotonic() > deadline:
+                    raise OutcomeUnknownError(
+                        f"{unknown} and the database could not be asked within "
+                        f"{self._timeout_s:g} s ({exc}); the Kafka transaction stays open: the "
+                        "next transaction of this writer, or `dualwrite recover`, finishes it "
+                        "once the database is back") from exc
+                time.sleep(0.2)
+                continue
             if status in ("committed", "aborted"):
                 return status == "committed"
             if status is None or time.monotonic() > deadline:
