@@ -613,3 +613,15 @@ def test_unreachable_postgres_fails_fast_without_leaking_the_password() -> None:
         assert time.monotonic() - started < 10
     finally:
         eng.dispose()
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_a_transaction_id_the_server_never_logged_did_not_commit(engine: sa.Engine,
+                                                                 store: StateStore) -> None:
+    """After ``pg_ctl stop -m immediate`` the server's next transaction id restarts from its WAL,
+    so the id of a COMMIT that never reached the WAL is "in the future": not committed (the
+    fault suite's PostgreSQL restarts met it as a FatalError)."""
+    with engine.begin() as conn:
+        current = int(conn.execute(sa.text("SELECT txid_current()")).scalar_one())
+    assert store.transaction_status(current) == "committed"
+    assert store.transaction_status(current + 1_000_000) == "aborted"

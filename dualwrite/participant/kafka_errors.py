@@ -224,6 +224,14 @@ def hides_its_cause(exc: BaseException) -> bool:
     return isinstance(err, KafkaError) and err.code() == KafkaError._FATAL
 
 
+def ends_only_the_session(exc: BaseException) -> bool:
+    """Whether ``exc`` is a librdkafka-fatal error that is neither a fence nor a missing ACL
+    (e.g. OUT_OF_ORDER_SEQUENCE_NUMBER after a request timed out): the session cannot go on,
+    but a new session of the same transactional id can."""
+    err = _librdkafka_cause(exc)
+    return err is not None and err.fatal() and err.code() not in _LIBRDKAFKA_BY_CODE
+
+
 def librdkafka_error(exc: BaseException, context: str, *,
                      otherwise: type[DualWriteError] = RecoverableError) -> DualWriteError:
     """The dualwrite exception for a confluent-kafka failure; ``context`` says what failed.

@@ -32,7 +32,11 @@ from dualwrite.participant.completion import OwnerAlive, complete
 from dualwrite.participant.control_plane import ControlPlane, TxnState
 from dualwrite.participant.coordinator_link import CoordinatorLinkWatch
 from dualwrite.participant.identifiers import ProducerIdentity, TopicPartition
-from dualwrite.participant.kafka_errors import hides_its_cause, librdkafka_error
+from dualwrite.participant.kafka_errors import (
+    ends_only_the_session,
+    hides_its_cause,
+    librdkafka_error,
+)
 from dualwrite.participant.outcome import Outcome
 from dualwrite.participant.prepared_state import PreparedTxnState
 
@@ -135,6 +139,12 @@ class TwoPhaseProducer:
             elif self.fenced_at_coordinator():
                 return ProducerFencedError(f"{what}: {self._ids()} was fenced by a newer "
                                            "producer of the same transactional id")
+        if ends_only_the_session(exc):
+            # Before the decision (produce, flush): nothing was decided, and the abort starts a
+            # new session, whose InitProducerId aborts this transaction and bumps the epoch.
+            self._unconfirmed = True
+            return RetriableError(f"{librdkafka_error(exc, what)}; this session cannot go on: "
+                                  f"abort_transaction() starts a new one; retry ({self._ids()})")
         return librdkafka_error(exc, what)
 
     def fenced_at_coordinator(self) -> bool:

@@ -26,7 +26,6 @@ from sqlalchemy import Connection, Engine
 from dualwrite.database import create_engine, database_error
 from dualwrite.errors import (
     DatabaseUnreachableError,
-    DeliveryTimeoutError,
     DualWriteError,
     FatalError,
     HeuristicAbortError,
@@ -393,7 +392,8 @@ class DualWriter:
 
     def _flush(self, tx: DualWriteTransaction, producer: TwoPhaseProducer) -> PreparedTxnState:
         """Flush; if no record is acknowledged for half the timeout (a leader election, a
-        coordinator move, a paused broker, a connection librdkafka waits out), send the records
+        coordinator move, a paused broker, a connection librdkafka waits out) or the flush fails
+        retriably (OUT_OF_ORDER_SEQUENCE_NUMBER after a timed-out request), send the records
         once more in a new session, under the same row lock, within the rest of the timeout.
 
         The abort starts the new session (the records were not all acknowledged): its
@@ -403,7 +403,7 @@ class DualWriter:
         deadline = time.monotonic() + self._timeout_s
         try:
             return producer.flush_and_state(stall_s=self._timeout_s / 2)
-        except DeliveryTimeoutError as exc:
+        except RetriableError as exc:  # stalled, or the session lost track of its sequence
             records = tx.records()
             log.warning("transactional_id=%s: %s; sending its %d records again in a new session",
                         self._tid, exc, len(records))

@@ -408,12 +408,17 @@ class StateStore:
         This names one database transaction, unlike the stored state (two transactions can
         store the same string, and recovery may clear it in between).
         """
-        with transaction(self.engine, read_only=True) as conn:
-            try:
+        try:
+            with transaction(self.engine, read_only=True) as conn:
                 found = conn.execute(sa.text("SELECT txid_status(:xid)"), {"xid": xid})
                 status: str | None = found.scalar_one()
-            except sa.exc.SQLAlchemyError as exc:
-                self._reraise(conn, exc)
+        except sa.exc.SQLAlchemyError as exc:
+            if not _in_the_future(exc):
+                raise database_error(exc, self.engine.url, table=self.table.name) from exc
+            # After a crash (pg_ctl stop -m immediate) the server's next transaction id restarts
+            # from its WAL: an id it never logged, as it would have logged the commit, is "in
+            # the future". That transaction did not commit.
+            return "aborted"
         return status
 
     def compare_and_set(self, transactional_id: str, expected: str, new: str) -> bool:
@@ -476,3 +481,9 @@ class StateStore:
     def _reraise(self, conn: Connection, exc: sa.exc.SQLAlchemyError) -> NoReturn:
         """Raise the :func:`~dualwrite.database.database_error` of ``exc`` (chained)."""
         raise database_error(exc, conn.engine.url, table=self.table.name) from exc
+
+
+def _in_the_future(exc: sa.exc.SQLAlchemyError) -> bool:
+    """PostgreSQL's refusal of ``txid_status`` for an id it has not assigned yet (22023)."""
+    orig = getattr(exc, "orig", None)
+    return getattr(orig, "sqlstate", None) == "22023" and "in the future" in str(orig)
