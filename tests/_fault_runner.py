@@ -3,6 +3,9 @@
 Several ``tests/fault_worker.py`` processes run DualWriter transactions on a 3-broker cluster and
 a private PostgreSQL server while :class:`FaultRunner` injects faults one after another, each at
 a random moment, and waits after each until the cluster is whole again (every replica in sync).
+Given loopback proxies (:class:`tests._tcp_proxy.TcpProxy`, one per broker and one in front of
+PostgreSQL), the workers reach both only through them, and the runner can also cut connections,
+lose an EndTxn response, hold a Produce request, or cut the database's connections.
 Afterwards the workers are stopped, ``dualwrite.recover`` runs, and :meth:`FaultRunner.verify`
 compares the committed rows with what a read_committed consumer sees and asks the brokers for
 transactions left open. Every figure the issue asks for is in :class:`Metrics`.
@@ -21,7 +24,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,14 +36,19 @@ import dualwrite
 from dualwrite.dev import LocalKafkaCluster, LocalPostgres, read_committed
 from dualwrite.dev.postgres_cluster import find_postgres_bindir
 from dualwrite.participant import ControlPlane, TxnState
+from tests._tcp_proxy import TcpProxy, contains, kafka_api
 
 log = logging.getLogger("tests.fault_suite")
 
 WORKER = Path(__file__).with_name("fault_worker.py")
 KINDS = ("coordinator-kill", "leader-kill", "broker-kill", "broker-pause", "rolling-restart",
-         "worker-kill", "postgres-restart")
+         "worker-kill", "postgres-restart", "kafka-cut", "endtxn-lost", "produce-held",
+         "postgres-cut")
 BROKER_KINDS = ("coordinator-kill", "leader-kill", "broker-kill", "broker-pause",
                 "rolling-restart")
+PROXY_KINDS = ("kafka-cut", "endtxn-lost", "produce-held", "postgres-cut")
+"""Faults made by the proxies; they need a runner given them."""
+PRODUCE, END_TXN = 0, 26  # Kafka API keys
 TXN_LOG = "__transaction_state"
 OPEN_STATES = (TxnState.ONGOING, TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT)
 # Error families an application may see from these faults (errors.py: "try again").
@@ -141,10 +149,19 @@ class FaultRunner:
 
     def __init__(self, cluster: LocalKafkaCluster, pg: LocalPostgres, topic: str,
                  tids: list[str], workdir: Path, *, seed: int, timeout_s: float = 20.0,
-                 request_timeout_ms: int = 5000, protected: str | None = None) -> None:
+                 request_timeout_ms: int = 5000, protected: str | None = None,
+                 kafka_proxies: Sequence[TcpProxy] = (), pg_proxy: TcpProxy | None = None) -> None:
         self.cluster = cluster
         self.pg = pg
         self.db_url = pg.url
+        """The runner's own way to the database (recovery, the invariant): never cut."""
+        self.kafka_proxies = list(kafka_proxies)
+        """``kafka_proxies[i]`` forwards broker ``i``'s advertised EXTERNAL port to it."""
+        self.pg_proxy = pg_proxy
+        self.worker_bootstrap = (",".join(p.address for p in self.kafka_proxies)
+                                 or cluster.bootstrap_servers)
+        self.worker_db_url = pg.url if pg_proxy is None else sa.engine.make_url(pg.url).set(
+            port=pg_proxy.port).render_as_string(hide_password=False)
         self.topic = topic
         self.tids = tids
         self.workdir = workdir
@@ -175,8 +192,8 @@ class FaultRunner:
     def spawn(self, tid: str, instance: int) -> None:
         journal = self.workdir / f"{tid}.{instance}.jsonl"
         out = (self.workdir / f"{tid}.{instance}.log").open("wb")
-        cmd = [sys.executable, str(WORKER), "--db", self.db_url, "--bootstrap",
-               self.cluster.bootstrap_servers, "--topic", self.topic, "--tid", tid,
+        cmd = [sys.executable, str(WORKER), "--db", self.worker_db_url, "--bootstrap",
+               self.worker_bootstrap, "--topic", self.topic, "--tid", tid,
                "--instance", str(instance), "--out", str(journal),
                "--timeout-s", str(self.timeout_s),
                "--request-timeout-ms", str(self.request_timeout_ms)]
@@ -224,6 +241,23 @@ class FaultRunner:
         parts = self._admin.list_topics(self.topic, timeout=10).topics[self.topic].partitions
         leaders = [p.leader for p in parts.values() if p.leader >= 0]
         return self.rng.choice(leaders)
+
+    def a_coordinator_or_any(self) -> tuple[int, str]:
+        """The index of the coordinator of a random worker's id (half the time, or when it has
+        none yet: a random broker), and what was picked."""
+        if self.rng.random() < 0.5:
+            tid = self.rng.choice(self.tids)
+            node = self.coordinator_of(tid)
+            if node is not None:
+                return self.index_of(node), f"coordinator of {tid.rsplit('-', 1)[-1]}: "
+        return self.rng.randrange(len(self.cluster.nodes)), ""
+
+    def heal_proxies(self) -> None:
+        """Every proxy forwarding again: rules disarmed, nothing refused or held."""
+        for proxy in (*self.kafka_proxies, *([self.pg_proxy] if self.pg_proxy else [])):
+            proxy.disarm()
+            proxy.refuse(False)
+            proxy.release()
 
     def wait_in_sync(self, timeout: float = 180.0) -> None:
         """Until every partition of the topic and the transaction log has all replicas in sync."""
@@ -315,6 +349,8 @@ class FaultRunner:
             assert self.pg.data_dir is not None
             pg_ctl(self.pg, "start", "-w", "-l", str(self.pg.data_dir / "postgres.log"))
             fault.returns.append(time.time())
+        elif kind in PROXY_KINDS:
+            self.inject_through_proxy(fault)
         else:
             raise ValueError(kind)
         if kind in BROKER_KINDS and kind != "rolling-restart":
@@ -326,6 +362,59 @@ class FaultRunner:
         log.info("fault %d done in %.1f s: %s %s", len(self.faults), fault.ended - fault.started,
                  kind, fault.target)
         return fault
+
+    def inject_through_proxy(self, fault: Fault) -> None:
+        """The faults made by the proxies; ``fault.returns`` is when traffic flowed again."""
+        if not self.kafka_proxies or self.pg_proxy is None:
+            raise ValueError(f"{fault.kind} needs the runner's proxies")
+        refusing = self.rng.uniform(0.5, 3.0) if self.rng.random() < 0.5 else 0.0
+        if fault.kind == "kafka-cut":
+            index, what = self.a_coordinator_or_any()
+            proxy = self.kafka_proxies[index]
+            cut = self.cut(proxy, refusing)
+            fault.target = (f"{what}broker {self.cluster.nodes[index].node_id}, {cut} cut, "
+                            f"refused {refusing:.1f} s")
+        elif fault.kind == "endtxn-lost":
+            tid = self.rng.choice(self.tids)
+            node = self.coordinator_of(tid)
+            index = (self.index_of(node) if node is not None
+                     else self.rng.randrange(len(self.cluster.nodes)))
+            proxy = self.kafka_proxies[index]
+            dropped = proxy.drop_next_response(kafka_api(END_TXN)).wait(15)
+            proxy.disarm()
+            fault.target = (f"coordinator of {tid.rsplit('-', 1)[-1]}: broker "
+                            f"{self.cluster.nodes[index].node_id}, "
+                            + ("response dropped" if dropped else "no EndTxn in 15 s"))
+        elif fault.kind == "produce-held":
+            index = self.index_of(self.leader_of_a_partition())
+            proxy = self.kafka_proxies[index]
+            caught = proxy.hold_next_request(kafka_api(PRODUCE)).wait(15)
+            held = self.request_timeout_ms / 1000 + self.rng.uniform(1.0, 3.0) if caught else 0
+            time.sleep(held)
+            proxy.disarm()
+            proxy.release()
+            fault.target = (f"leader broker {self.cluster.nodes[index].node_id}, "
+                            + (f"held {held:.1f} s" if caught else "no Produce in 15 s"))
+        elif fault.kind == "postgres-cut":
+            # Half the time at a COMMIT: forwarded, its answer lost (an unknown outcome).
+            at_commit = self.rng.random() < 0.5
+            seen = at_commit and self.pg_proxy.drop_next_response(contains(b"COMMIT")).wait(15)
+            self.pg_proxy.disarm()
+            cut = self.cut(self.pg_proxy, refusing)
+            fault.target = (("after a COMMIT, " if seen else "any moment, ")
+                            + f"{cut} cut, refused {refusing:.1f} s")
+        fault.returns.append(time.time())
+
+    @staticmethod
+    def cut(proxy: TcpProxy, refusing: float) -> int:
+        """Cut every connection of ``proxy`` (how many); refuse new ones ``refusing`` seconds."""
+        proxy.refuse(refusing > 0)
+        try:
+            cut = proxy.cut()
+            time.sleep(refusing)
+        finally:
+            proxy.refuse(False)
+        return cut
 
     def run(self, schedule: Iterable[str], gap: tuple[float, float] = (0.5, 2.0)) -> None:
         """Inject the faults of ``schedule`` in order, a random gap before each."""

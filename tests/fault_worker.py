@@ -104,9 +104,15 @@ class Worker:
     def __init__(self, args: argparse.Namespace, journal: Journal) -> None:
         self.args = args
         self.journal = journal
-        self.engine = create_engine(args.db, connect_args={"connect_timeout": 3})
+        # No server-side prepared statements: a prepared COMMIT crosses the wire as a bare
+        # Bind/Execute, and the fault runner's database proxy finds COMMIT by its text.
+        self.engine = create_engine(args.db, connect_args={"connect_timeout": 3,
+                                                           "prepare_threshold": None})
+        # socket.timeout.ms is librdkafka's client-side request timeout (request.timeout.ms is
+        # the broker's ack timeout): a paused broker or a held request outlasts both.
         self.kafka = {"bootstrap.servers": args.bootstrap,
-                      "request.timeout.ms": args.request_timeout_ms}
+                      "request.timeout.ms": args.request_timeout_ms,
+                      "socket.timeout.ms": args.request_timeout_ms}
         self.stopping = threading.Event()
         self.failures = 0
         """Failed transactions in a row."""

@@ -5,8 +5,15 @@ set of events is known and a replayed batch re-reads the same file. The query ru
 ``availableNow`` and exits 0 once every file is processed. Faults come from
 ``DUALWRITE_SPARK_FAULTS`` (see dualwrite/spark/faults.py).
 
+With ``--follow STOP_FILE`` the query runs until that file exists instead, picking up files as
+they arrive, then writes what is left and exits 0. There, when the query fails with a dualwrite
+error, it is started again as an application would (same sink, same checkpoint) and the line
+``RESTART <error type> <family>`` printed; any other error ends the process with
+``FOREIGN <type>`` (only typed errors may reach the application).
+
     python spark_worker.py --bootstrap B --db URL --topic T --sink-id S --source DIR \
-        --checkpoint DIR [--partitions N] [--kafka-only] [--master local[2]] [--conf k=v ...]
+        --checkpoint DIR [--partitions N] [--kafka-only] [--master local[2]] [--conf k=v ...] \
+        [--kafka-config k=v ...] [--follow STOP_FILE]
 """
 
 from __future__ import annotations
@@ -15,6 +22,9 @@ import argparse
 import logging
 import os
 import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 
 def main() -> int:
@@ -30,6 +40,9 @@ def main() -> int:
     parser.add_argument("--master", default="local[2,4]")
     parser.add_argument("--txn-timeout-ms", type=int)
     parser.add_argument("--conf", action="append", default=[])
+    parser.add_argument("--kafka-config", action="append", default=[])
+    parser.add_argument("--follow", metavar="STOP_FILE")
+    parser.add_argument("--max-restarts", type=int, default=20)
     args = parser.parse_args()
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -62,6 +75,9 @@ def main() -> int:
     kafka_config: dict[str, object] = {"bootstrap.servers": args.bootstrap}
     if args.txn_timeout_ms:
         kafka_config["transaction.timeout.ms"] = args.txn_timeout_ms
+    for item in args.kafka_config:
+        key, _, value = item.partition("=")
+        kafka_config[key] = int(value) if value.isdigit() else value
     sink = ExactlyOnceSink(
         sink_id=args.sink_id, kafka_config=kafka_config, topic=args.topic,
         database_url=args.db, key_column="key",
@@ -71,23 +87,89 @@ def main() -> int:
         max_participants=args.partitions)
 
     def report(batch_id: int, timings: object, records: int) -> None:
-        print(f"BATCH {batch_id} {'skipped' if timings is None else 'committed'} {records}",
-              flush=True)
+        print(f"BATCH {batch_id} {'skipped' if timings is None else 'committed'} {records} "
+              f"t={time.time():.3f}", flush=True)
 
     sink.on_batch = report
     events = (spark.readStream.schema("event_id BIGINT, payload STRING")
               .option("maxFilesPerTrigger", 1).json(args.source))
     shaped = (events.withColumn("key", F.col("event_id").cast("string"))
               .repartition(args.partitions))
-    query = (shaped.writeStream.foreachBatch(sink)
-             .option("checkpointLocation", args.checkpoint)
-             .trigger(availableNow=True).start())
-    query.awaitTermination()
+    if args.follow:
+        failures: list[BaseException] = []
+
+        def write(df: Any, batch_id: int) -> None:
+            try:
+                sink(df, batch_id)
+            except BaseException as exc:
+                failures.append(exc)  # what the query's exception wraps, for the report
+                raise
+
+        def start() -> Any:
+            failures.clear()
+            return (shaped.writeStream.foreachBatch(write)
+                    .option("checkpointLocation", args.checkpoint).start())
+
+        follow(start, failures, args.follow, args.max_restarts)
+    else:
+        query = (shaped.writeStream.foreachBatch(sink)
+                 .option("checkpointLocation", args.checkpoint)
+                 .trigger(availableNow=True).start())
+        query.awaitTermination()
     print(f"RECOVERY {sink.recovery}", flush=True)
     sink.close()
     spark.stop()
     print("DONE", flush=True)
     return 0
+
+
+def family(exc: BaseException) -> str:
+    """What the application should do about ``exc`` (``foreign``: not a dualwrite error)."""
+    from dualwrite.errors import (
+        DualWriteError,
+        FatalError,
+        HeuristicOutcomeError,
+        RecoverableError,
+        RetriableError,
+    )
+
+    for kind, name in ((RetriableError, "retriable"), (RecoverableError, "recoverable"),
+                       (HeuristicOutcomeError, "heuristic"), (FatalError, "fatal"),
+                       (DualWriteError, "dualwrite")):
+        if isinstance(exc, kind):
+            return name
+    return "foreign"
+
+
+def follow(start: Callable[[], Any], failures: list[BaseException], stop_file: str,
+           max_restarts: int) -> None:
+    """Run the query until ``stop_file`` exists and all available files are written; start it
+    again after a dualwrite error, as an application's supervisor would."""
+    from pyspark.errors import StreamingQueryException
+
+    restarts = 0
+    while True:
+        query = start()
+        try:
+            while not os.path.exists(stop_file):
+                if query.awaitTermination(0.5):
+                    raise RuntimeError("the query stopped by itself")
+            query.processAllAvailable()
+            query.stop()
+            return
+        except StreamingQueryException as exc:
+            cause: BaseException = failures[-1] if failures else exc
+            kind = family(cause)
+            name = f"{type(cause).__module__}.{type(cause).__qualname__}"
+            if kind == "foreign" or restarts >= max_restarts:
+                print(f"FOREIGN {name} {kind}" if kind == "foreign" else
+                      f"GAVE-UP {name} {kind}", flush=True)
+                raise
+            restarts += 1
+            print(f"RESTART {name} {kind} t={time.time():.3f}", flush=True)
+            logging.getLogger("spark_worker").warning("query failed (%s: %s); restarting",
+                                                      name, cause)
+            time.sleep(1.0)
 
 
 if __name__ == "__main__":

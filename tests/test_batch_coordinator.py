@@ -491,3 +491,16 @@ def test_recover_during_a_running_batch_cannot_abort_a_verified_participant(
     assert set(result.aborted).isdisjoint(p.transactional_id for p in parts)
     assert read_committed(bootstrap, topic) == encoded("b0", "b1-p0", "b1-p1")
     assert open_in_pool(cp, sink) == []
+
+
+def test_publish_counts_the_rows_it_moves(engine: sa.Engine, sink: str) -> None:
+    """The decision logs how many staged rows it published (INSERT ... SELECT: PostgreSQL
+    reported -1 unless the row count is asked for)."""
+    sa.Table("items", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True),
+             sa.Column("name", sa.String(50))).create(engine)
+    staging = StagingTable(engine, "items")
+    staging.create()
+    staging.write(sink, 1, "k-win", [(1, "a"), (2, "b")])
+    staging.write(sink, 1, "k-lose", [(3, "c")])
+    with engine.begin() as conn:
+        assert staging.publish(conn, sink, 1, ["k-win"]) == 2

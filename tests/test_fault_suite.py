@@ -9,6 +9,14 @@ again); SIGSTOP/SIGCONT of a broker for a few seconds longer than the clients' r
 clean rolling restart of the three brokers; SIGKILL of a worker (a new process of the same
 transactional id takes over); ``pg_ctl stop -m immediate`` and start.
 
+The workers reach each broker only through a Kafka-framing loopback proxy
+(:class:`tests._tcp_proxy.TcpProxy`; the cluster's EXTERNAL listeners advertise the proxies'
+ports) and PostgreSQL through another, so the runner can also: cut every connection of a broker
+(its coordinator's or a random one), refusing new ones a moment or not; lose the response to the
+next EndTxn at a worker's coordinator; hold the next Produce to a partition leader past the
+request timeout, then deliver it; cut every database connection, half the time just after a
+COMMIT went out (its outcome unknown to the worker).
+
 After the run: ``dualwrite.recover``, then the invariant (read_committed records == committed
 rows, no duplicate, nothing a worker saw commit lost, nothing left open at any coordinator) and
 the rule that only ``RetriableError`` reaches the application. The metrics are printed.
@@ -30,17 +38,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 import dualwrite
 from dualwrite.dev import LocalKafkaCluster, LocalPostgres
+from dualwrite.participant import ControlPlane, TxnState
 from tests._fault_runner import KINDS, FaultRunner, Metrics, pg_ctl
+from tests._tcp_proxy import TcpProxy
 
 KAFKA_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA_VERSION", "4.3.1")
 SHORT_SCHEDULE = ("worker-kill", "broker-pause", "coordinator-kill", "postgres-restart",
                   "leader-kill", "worker-kill", "broker-kill", "broker-pause",
-                  "postgres-restart", "rolling-restart")
+                  "postgres-restart", "rolling-restart", "kafka-cut", "endtxn-lost",
+                  "produce-held", "postgres-cut")
 WEIGHTS = {"coordinator-kill": 3, "leader-kill": 3, "broker-kill": 2, "broker-pause": 3,
-           "rolling-restart": 1, "worker-kill": 3, "postgres-restart": 2}
+           "rolling-restart": 1, "worker-kill": 3, "postgres-restart": 2, "kafka-cut": 2,
+           "endtxn-lost": 2, "produce-held": 2, "postgres-cut": 2}
 WORKERS = 3
 
 
@@ -48,8 +61,17 @@ WORKERS = 3
 def fault_cluster() -> Iterator[LocalKafkaCluster]:
     """Three nodes of this module's own: its faults must not disturb the shared broker."""
     with LocalKafkaCluster(brokers=3, kafka_version=KAFKA_VERSION, backend="jars",
-                           heap="512m", startup_timeout=300) as cluster:
+                           heap="512m", startup_timeout=300, proxied=True) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def kafka_proxies(fault_cluster: LocalKafkaCluster) -> Iterator[list[TcpProxy]]:
+    """One proxy per broker, on the port its EXTERNAL listener advertises."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(TcpProxy(external, port=advertised, kafka_framing=True))
+               for external, advertised in zip(fault_cluster.external_ports,
+                                               fault_cluster.proxy_ports, strict=True)]
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +93,15 @@ def fault_pg() -> Iterator[LocalPostgres]:
         pg.stop()
 
 
+@pytest.fixture(scope="module")
+def pg_proxy(fault_pg: LocalPostgres) -> Iterator[TcpProxy]:
+    """In front of the private PostgreSQL (its port stays the same across restarts)."""
+    port = sa.engine.make_url(fault_pg.url).port
+    assert port is not None
+    with TcpProxy(port) as proxy:
+        yield proxy
+
+
 def _heal(cluster: LocalKafkaCluster, pg: LocalPostgres) -> None:
     """Every broker running and not paused, PostgreSQL up (after a run that failed midway)."""
     for node in cluster.nodes:
@@ -84,8 +115,9 @@ def _heal(cluster: LocalKafkaCluster, pg: LocalPostgres) -> None:
         pg_ctl(pg, "start", "-w", "-l", str(pg.data_dir / "postgres.log"))
 
 
-def run_suite(cluster: LocalKafkaCluster, pg: LocalPostgres, tmp_path: Path,
-              schedule: list[str], *, seed: int, sample: bool = False) -> Metrics:
+def run_suite(cluster: LocalKafkaCluster, pg: LocalPostgres, proxies: list[TcpProxy],
+              db_proxy: TcpProxy, tmp_path: Path, schedule: list[str], *, seed: int,
+              sample: bool = False) -> Metrics:
     _heal(cluster, pg)
     run = f"fault-{uuid.uuid4().hex[:8]}"
     keep = os.environ.get("DUALWRITE_FAULT_DIR")
@@ -94,7 +126,10 @@ def run_suite(cluster: LocalKafkaCluster, pg: LocalPostgres, tmp_path: Path,
     topic = cluster.create_topic(f"{run}-topic", partitions=6)
     tids = [f"{run}-w{k}" for k in range(WORKERS)]
     runner = FaultRunner(cluster, pg, topic, tids, workdir, seed=seed,
-                         protected=tids[0] if sample else None)
+                         protected=tids[0] if sample else None, kafka_proxies=proxies,
+                         pg_proxy=db_proxy)
+    runner.heal_proxies()
+    accepted = [p.accepted for p in (*proxies, db_proxy)]
     runner.start_workers()
     try:
         warm = runner.wait_for_commits(0.0, timeout=120)
@@ -105,8 +140,12 @@ def run_suite(cluster: LocalKafkaCluster, pg: LocalPostgres, tmp_path: Path,
         runner.sample("end")
     finally:
         runner.stop_workers()
+        runner.heal_proxies()
         _heal(cluster, pg)
     metrics = runner.verify(stalled)
+    through = [p.accepted - a for p, a in zip((*proxies, db_proxy), accepted, strict=True)]
+    metrics.details["connections through the proxies (brokers 1..3, database)"] = [
+        ", ".join(map(str, through))]
     (workdir / "errors.txt").write_text("\n\n".join(runner.error_samples()), encoding="utf-8")
     metrics.details["workdir"] = [str(workdir)]
     return metrics
@@ -125,19 +164,22 @@ def _seed() -> int:
 
 @pytest.mark.timeout(480)
 def test_fault_suite_short(fault_cluster: LocalKafkaCluster, fault_pg: LocalPostgres,
+                           kafka_proxies: list[TcpProxy], pg_proxy: TcpProxy,
                            tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     seed = _seed()
     schedule = list(SHORT_SCHEDULE)
     random.Random(seed).shuffle(schedule)
     with capsys.disabled():
         print(f"\nfault suite seed {seed}: {schedule}")
-    metrics = run_suite(fault_cluster, fault_pg, tmp_path, schedule, seed=seed)
+    metrics = run_suite(fault_cluster, fault_pg, kafka_proxies, pg_proxy, tmp_path, schedule,
+                        seed=seed)
     assert set(metrics.faults) == set(KINDS)
     _check(metrics, capsys)
 
 
 @pytest.mark.timeout(6 * 3600)
 def test_fault_suite_long(fault_cluster: LocalKafkaCluster, fault_pg: LocalPostgres,
+                          kafka_proxies: list[TcpProxy], pg_proxy: TcpProxy,
                           tmp_path: Path, capsys: pytest.CaptureFixture[str],
                           request: pytest.FixtureRequest) -> None:
     count = int(request.config.getoption("--faults"))
@@ -153,10 +195,47 @@ def test_fault_suite_long(fault_cluster: LocalKafkaCluster, fault_pg: LocalPostg
     with capsys.disabled():
         print(f"\nlong fault suite seed {seed}: {count} faults")
     started = time.monotonic()
-    metrics = run_suite(fault_cluster, fault_pg, tmp_path, schedule, seed=seed, sample=True)
+    metrics = run_suite(fault_cluster, fault_pg, kafka_proxies, pg_proxy, tmp_path, schedule,
+                        seed=seed, sample=True)
     with capsys.disabled():
         print(f"long fault suite took {time.monotonic() - started:.0f} s")
     assert sum(metrics.faults.values()) == count
     _check(metrics, capsys)
     assert set(metrics.resources) == {"start", "end"}
 
+
+
+@pytest.mark.timeout(300)
+def test_the_control_plane_follows_a_moved_coordinator(fault_cluster: LocalKafkaCluster) -> None:
+    """SIGKILL the coordinator the control plane has cached: the next DescribeTransactions finds
+    the new one (the Spark fault runs saw a dead coordinator asked until the timeout)."""
+    cluster = fault_cluster
+    for node in cluster.nodes:
+        if not cluster.is_running(node.index):
+            cluster.restart_broker(node.index)
+    topic = cluster.create_topic(f"cp-move-{uuid.uuid4().hex[:8]}", partitions=1)
+    tid = f"cp-move-{uuid.uuid4().hex[:8]}"
+    conf = {"bootstrap.servers": cluster.bootstrap_servers}
+    producer = dualwrite.TwoPhaseProducer({**conf, "transactional.id": tid}, timeout_s=60)
+    try:
+        producer.init_transactions()
+        producer.begin_transaction()
+        producer.produce(topic, b"open")
+        producer.flush_and_state()
+        with ControlPlane(conf, timeout_s=40) as cp:
+            before = cp.describe_transaction(tid)
+            assert before is not None and before.state is TxnState.ONGOING
+            index = next(n.index for n in cluster.nodes if n.node_id == before.coordinator_id)
+            cluster.kill_broker(index)
+            try:
+                started = time.monotonic()
+                after = cp.describe_transaction(tid)
+                took = time.monotonic() - started
+            finally:
+                cluster.restart_broker(index)
+        print(f"\nnew coordinator found in {took:.1f} s")
+        assert after is not None and after.coordinator_id != before.coordinator_id
+        assert after.state is TxnState.ONGOING
+        producer.abort_transaction()
+    finally:
+        producer.close()

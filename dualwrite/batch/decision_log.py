@@ -463,7 +463,9 @@ class StagingTable:
             select = sa.select(*(s[c] for c in self.columns)).where(
                 s.dw_sink_id == sink_id, s.dw_batch_id == batch_id,
                 s.dw_attempt.in_(list(attempt_keys)))
-            result = conn.execute(sa.insert(self._target).from_select(list(self.columns), select))
+            # SQLAlchemy keeps an INSERT's row count only when asked (else -1 on PostgreSQL).
+            insert = sa.insert(self._target).from_select(list(self.columns), select)
+            result = conn.execute(insert.execution_options(preserve_rowcount=True))
             moved = result.rowcount
         return moved
 

@@ -321,7 +321,10 @@ class ControlPlane:
                     raise RetriableError(
                         f"{what}: still failing after {self._timeout_s:g} s: {exc}") from exc
                 if not isinstance(exc, RetriableKafkaError):
-                    self._leaders.clear()  # a broker went away: leaders may have moved
+                    # A broker went away: leaders and coordinators may have moved (a dead
+                    # coordinator, still cached, would be asked until the deadline).
+                    self._leaders.clear()
+                    self._coordinators.clear()
                 log.debug("%s: retrying after %s", what, exc)
                 await self._link.sleep(delay)
                 delay = min(delay * 2, 1.0)

@@ -128,6 +128,7 @@ class TwoPhaseProducer:
     def _fail(self, exc: BaseException, what: str) -> DualWriteError:
         """Mark the transaction failed and return the exception to raise."""
         self._phase = _Phase.FAILED
+        unexplained = False
         if hides_its_cause(exc):
             if self._fatal is None and self._producer is not None:
                 # librdkafka hit a fatal error (e.g. fenced) before the error callback was
@@ -139,7 +140,9 @@ class TwoPhaseProducer:
             elif self.fenced_at_coordinator():
                 return ProducerFencedError(f"{what}: {self._ids()} was fenced by a newer "
                                            "producer of the same transactional id")
-        if ends_only_the_session(exc):
+            else:  # a bare SystemError out of flush (seen in the fault suite): not a fence
+                unexplained = True
+        if unexplained or ends_only_the_session(exc):
             # Before the decision (produce, flush): nothing was decided, and the abort starts a
             # new session, whose InitProducerId aborts this transaction and bumps the epoch.
             self._unconfirmed = True
