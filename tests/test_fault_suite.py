@@ -41,8 +41,9 @@ import pytest
 import sqlalchemy as sa
 
 import dualwrite
-from dualwrite.dev import LocalKafkaCluster, LocalPostgres
-from dualwrite.participant import ControlPlane, TxnState
+from dualwrite.dev import LocalKafkaCluster, LocalPostgres, read_committed
+from dualwrite.participant import ControlPlane, PreparedTxnState, TxnState
+from dualwrite.writer import PhaseHooks
 from tests._fault_runner import KINDS, FaultRunner, Metrics, pg_ctl
 from tests._tcp_proxy import TcpProxy
 
@@ -239,3 +240,54 @@ def test_the_control_plane_follows_a_moved_coordinator(fault_cluster: LocalKafka
         producer.abort_transaction()
     finally:
         producer.close()
+
+
+class _StopAfterTheDecision(PhaseHooks):
+    """The writer dies between the database COMMIT and Kafka's."""
+
+    def database_committed(self, state: PreparedTxnState) -> None:
+        raise _WriterDied(str(state))
+
+
+class _WriterDied(Exception):
+    pass
+
+
+@pytest.mark.timeout(300)
+def test_status_and_recover_with_the_coordinator_down(fault_cluster: LocalKafkaCluster,
+                                                      fault_pg: LocalPostgres) -> None:
+    """A decided transaction left prepared; its coordinator SIGKILLed (one broker of three
+    down): ``dualwrite status`` shows it in doubt and ``dualwrite recover`` commits it."""
+    cluster, pg = fault_cluster, fault_pg
+    _heal(cluster, pg)
+    topic = cluster.create_topic(f"down-{uuid.uuid4().hex[:8]}", partitions=3)
+    tid = f"down-{uuid.uuid4().hex[:8]}"
+    conf = {"bootstrap.servers": cluster.bootstrap_servers}
+    writer = dualwrite.DualWriter(pg.url, conf, transactional_id=tid, timeout_s=30,
+                                  hooks=_StopAfterTheDecision())
+    with pytest.raises(_WriterDied), writer.transaction() as tx:
+        tx.produce(topic, value=tid, key=tid)
+        tx.connection.execute(sa.text("INSERT INTO fault_rows (id, worker) VALUES (:i, :w)"),
+                              {"i": tid, "w": tid})
+    writer.close()  # the transaction stays open at the coordinator
+    with ControlPlane(conf, timeout_s=30) as cp:
+        described = cp.describe_transaction(tid)
+    assert described is not None and described.state is TxnState.ONGOING
+    index = next(n.index for n in cluster.nodes if n.node_id == described.coordinator_id)
+    cluster.kill_broker(index)
+    try:
+        started = time.monotonic()
+        report = dualwrite.status(pg.url, conf, prefix=tid, timeout_s=60)
+        status_s = time.monotonic() - started
+        assert [r.transactional_id for r in report.rows if r.in_doubt] == [tid]
+        started = time.monotonic()
+        recovered = dualwrite.recover(pg.url, conf, [tid], timeout_s=60)
+        recover_s = time.monotonic() - started
+        assert recovered.ok, recovered.as_dict()
+    finally:
+        cluster.restart_broker(index)
+    print(f"\nbroker {described.coordinator_id} down: status {status_s:.1f} s, "
+          f"recover {recover_s:.1f} s")
+    records, unreadable = read_committed(cluster.bootstrap_servers, topic, timeout_s=60)
+    assert unreadable == []
+    assert [v for _, v in records] == [tid.encode()]
