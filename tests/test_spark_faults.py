@@ -7,7 +7,8 @@ while the test feeds its source directory one file (one micro-batch) at a time, 
 :class:`tests._fault_runner.FaultRunner` injects, at random moments from a seed: SIGKILL of the
 transaction coordinator of a participant's transactional id and of a partition leader (each
 started again), a SIGSTOP/SIGCONT pause of a broker longer than the clients' request timeout,
-and a clean rolling restart of the three brokers. Batches are in every phase when a fault lands:
+a clean rolling restart of the three brokers, and an immediate restart of PostgreSQL (the
+decision log). Batches are in every phase when a fault lands:
 tasks producing and preparing, the driver verifying, deciding, committing. Besides, the driver
 raises a typed error once (``DUALWRITE_SPARK_FAULTS``: after a batch's tasks prepared).
 
@@ -39,7 +40,7 @@ import pytest
 import dualwrite
 from dualwrite.batch.naming import transactional_id
 from dualwrite.dev import LocalKafkaCluster, LocalPostgres
-from tests._fault_runner import FaultRunner
+from tests._fault_runner import FaultRunner, pg_ctl
 from tests._spark_helpers import Pipeline, write_source_file
 
 pytest.importorskip("pyspark", reason="the Spark sink needs dualwrite[spark]")
@@ -47,7 +48,8 @@ pytest.importorskip("pyspark", reason="the Spark sink needs dualwrite[spark]")
 pytestmark = [pytest.mark.spark]
 
 KAFKA_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA_VERSION", "4.3.1")
-SCHEDULE = ("coordinator-kill", "leader-kill", "broker-pause", "rolling-restart")
+SCHEDULE = ("coordinator-kill", "leader-kill", "broker-pause", "rolling-restart",
+            "postgres-restart")
 PARTITIONS = 4
 EVENTS_PER_FILE = 50
 BACKLOG = 2
@@ -83,6 +85,8 @@ def servers() -> Iterator[tuple[LocalKafkaCluster, LocalPostgres]]:
     finally:
         with contextlib.suppress(Exception):
             pg_started.result()
+        with contextlib.suppress(Exception):  # the server pg_ctl started again, if it runs
+            pg_ctl(pg, "stop", "-m", "fast", "-w")
         pg.stop()
 
 
