@@ -73,6 +73,15 @@ def pg_ctl(pg: LocalPostgres, *args: str) -> None:
                    check=True, capture_output=True, timeout=60, **run_as)
 
 
+def heal_brokers(cluster: LocalKafkaCluster) -> None:
+    """Every broker of ``cluster`` running and not paused (after a fault, or a run that failed
+    midway)."""
+    for node in cluster.nodes:
+        cluster.resume_broker(node.index)
+        if not cluster.is_running(node.index):
+            cluster.restart_broker(node.index)
+
+
 def proc_sample(pid: int) -> dict[str, int]:
     """RSS (kB), threads and open file descriptors of a live process, from /proc."""
     status = Path(f"/proc/{pid}/status").read_text(encoding="utf-8").splitlines()
@@ -242,6 +251,13 @@ class FaultRunner:
         leaders = [p.leader for p in parts.values() if p.leader >= 0]
         return self.rng.choice(leaders)
 
+    def coordinator_index(self, tid: str) -> int:
+        """The index of the broker coordinating ``tid``; a random broker while it has none."""
+        node = self.coordinator_of(tid)
+        if node is None:
+            return self.rng.randrange(len(self.cluster.nodes))
+        return self.index_of(node)
+
     def a_coordinator_or_any(self) -> tuple[int, str]:
         """The index of the coordinator of a random worker's id (half the time, or when it has
         none yet: a random broker), and what was picked."""
@@ -294,11 +310,8 @@ class FaultRunner:
         log.info("fault %d: %s", len(self.faults) + 1, kind)
         if kind == "coordinator-kill":
             tid = self.rng.choice(self.tids)
-            node = self.coordinator_of(tid)
             fault.target = f"coordinator of {tid.rsplit('-', 1)[-1]}: "
-            if node is None:  # the id has no transaction yet: any broker
-                node = self.rng.choice(self.cluster.nodes).node_id
-            self.bounce(fault, self.index_of(node))
+            self.bounce(fault, self.coordinator_index(tid))
         elif kind == "leader-kill":
             fault.target = f"leader of {self.topic.rsplit('-', 1)[-1]}: "
             self.bounce(fault, self.index_of(self.leader_of_a_partition()))
@@ -376,9 +389,7 @@ class FaultRunner:
                             f"refused {refusing:.1f} s")
         elif fault.kind == "endtxn-lost":
             tid = self.rng.choice(self.tids)
-            node = self.coordinator_of(tid)
-            index = (self.index_of(node) if node is not None
-                     else self.rng.randrange(len(self.cluster.nodes)))
+            index = self.coordinator_index(tid)
             proxy = self.kafka_proxies[index]
             dropped = proxy.drop_next_response(kafka_api(END_TXN)).wait(15)
             proxy.disarm()

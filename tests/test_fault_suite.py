@@ -42,9 +42,14 @@ import sqlalchemy as sa
 
 import dualwrite
 from dualwrite.dev import LocalKafkaCluster, LocalPostgres, read_committed
-from dualwrite.participant import ControlPlane, PreparedTxnState, TxnState
+from dualwrite.participant import (
+    ControlPlane,
+    PreparedTxnState,
+    TransactionDescription,
+    TxnState,
+)
 from dualwrite.writer import PhaseHooks
-from tests._fault_runner import KINDS, FaultRunner, Metrics, pg_ctl
+from tests._fault_runner import KINDS, FaultRunner, Metrics, heal_brokers, pg_ctl
 from tests._tcp_proxy import TcpProxy
 
 KAFKA_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA_VERSION", "4.3.1")
@@ -105,10 +110,7 @@ def pg_proxy(fault_pg: LocalPostgres) -> Iterator[TcpProxy]:
 
 def _heal(cluster: LocalKafkaCluster, pg: LocalPostgres) -> None:
     """Every broker running and not paused, PostgreSQL up (after a run that failed midway)."""
-    for node in cluster.nodes:
-        cluster.resume_broker(node.index)
-        if not cluster.is_running(node.index):
-            cluster.restart_broker(node.index)
+    heal_brokers(cluster)
     try:
         pg_ctl(pg, "status")
     except Exception:
@@ -206,14 +208,23 @@ def test_fault_suite_long(fault_cluster: LocalKafkaCluster, fault_pg: LocalPostg
 
 
 
+def _kill_the_coordinator(cluster: LocalKafkaCluster, cp: ControlPlane,
+                          tid: str) -> tuple[TransactionDescription, int]:
+    """SIGKILL the coordinator of ``tid``'s open transaction: (the transaction as that
+    coordinator described it, the broker's index)."""
+    described = cp.describe_transaction(tid)
+    assert described is not None and described.state is TxnState.ONGOING
+    index = next(n.index for n in cluster.nodes if n.node_id == described.coordinator_id)
+    cluster.kill_broker(index)
+    return described, index
+
+
 @pytest.mark.timeout(300)
 def test_the_control_plane_follows_a_moved_coordinator(fault_cluster: LocalKafkaCluster) -> None:
     """SIGKILL the coordinator the control plane has cached: the next DescribeTransactions finds
     the new one (the Spark fault runs saw a dead coordinator asked until the timeout)."""
     cluster = fault_cluster
-    for node in cluster.nodes:
-        if not cluster.is_running(node.index):
-            cluster.restart_broker(node.index)
+    heal_brokers(cluster)
     topic = cluster.create_topic(f"cp-move-{uuid.uuid4().hex[:8]}", partitions=1)
     tid = f"cp-move-{uuid.uuid4().hex[:8]}"
     conf = {"bootstrap.servers": cluster.bootstrap_servers}
@@ -224,10 +235,7 @@ def test_the_control_plane_follows_a_moved_coordinator(fault_cluster: LocalKafka
         producer.produce(topic, b"open")
         producer.flush_and_state()
         with ControlPlane(conf, timeout_s=40) as cp:
-            before = cp.describe_transaction(tid)
-            assert before is not None and before.state is TxnState.ONGOING
-            index = next(n.index for n in cluster.nodes if n.node_id == before.coordinator_id)
-            cluster.kill_broker(index)
+            before, index = _kill_the_coordinator(cluster, cp, tid)  # cached by cp
             try:
                 started = time.monotonic()
                 after = cp.describe_transaction(tid)
@@ -271,10 +279,7 @@ def test_status_and_recover_with_the_coordinator_down(fault_cluster: LocalKafkaC
                               {"i": tid, "w": tid})
     writer.close()  # the transaction stays open at the coordinator
     with ControlPlane(conf, timeout_s=30) as cp:
-        described = cp.describe_transaction(tid)
-    assert described is not None and described.state is TxnState.ONGOING
-    index = next(n.index for n in cluster.nodes if n.node_id == described.coordinator_id)
-    cluster.kill_broker(index)
+        described, index = _kill_the_coordinator(cluster, cp, tid)
     try:
         started = time.monotonic()
         report = dualwrite.status(pg.url, conf, prefix=tid, timeout_s=60)

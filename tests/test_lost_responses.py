@@ -9,6 +9,7 @@ Ongoing at the coordinator.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -99,6 +100,15 @@ def pg_url(postgres_url: str) -> Iterator[str]:
         with admin.begin() as conn:
             conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
         admin.dispose()
+
+
+@contextlib.contextmanager
+def _database_proxy(url: str) -> Iterator[tuple[TcpProxy, str]]:
+    """A proxy in front of the database of ``url``, and the URL that goes through it."""
+    parsed = sa.engine.make_url(url)
+    assert parsed.port is not None
+    with TcpProxy(parsed.port) as proxy:
+        yield proxy, parsed.set(port=proxy.port).render_as_string(hide_password=False)
 
 
 def _rows(url: str) -> list[str]:
@@ -360,10 +370,7 @@ def test_database_connection_cut_during_commit(cluster: LocalKafkaCluster, proxy
                                                topic: str, pg_url: str) -> None:
     """The writer reaches PostgreSQL through a proxy that forwards COMMIT and cuts the
     connection before its answer: the outcome is asked of the database (txid_status)."""
-    url = sa.engine.make_url(pg_url)
-    assert url.port is not None
-    with TcpProxy(url.port) as pg_proxy:
-        through = url.set(port=pg_proxy.port).render_as_string(hide_password=False)
+    with _database_proxy(pg_url) as (pg_proxy, through):
         tid = unique("pg-cut")
         outcomes = []
         with DualWriter(through, _config(cluster), transactional_id=tid, timeout_s=15) as writer:
@@ -384,10 +391,7 @@ def test_commit_outcome_asked_until_the_database_answers(cluster: LocalKafkaClus
     """The COMMIT's answer is lost and new database connections are refused for 3 s (a server
     restarting): the writer keeps asking within its timeout and finishes the transaction instead
     of reporting "database unreachable, retry" for a COMMIT that did apply."""
-    url = sa.engine.make_url(pg_url)
-    assert url.port is not None
-    with TcpProxy(url.port) as pg_proxy:
-        through = url.set(port=pg_proxy.port).render_as_string(hide_password=False)
+    with _database_proxy(pg_url) as (pg_proxy, through):
         # No pool: every question about the outcome needs a new connection.
         engine = dualwrite.create_engine(through, poolclass=sa.pool.NullPool)
         tid = unique("pg-ask")

@@ -40,7 +40,7 @@ import pytest
 import dualwrite
 from dualwrite.batch.naming import transactional_id
 from dualwrite.dev import LocalKafkaCluster, LocalPostgres
-from tests._fault_runner import FaultRunner, pg_ctl
+from tests._fault_runner import FaultRunner, heal_brokers, pg_ctl
 from tests._spark_helpers import Pipeline, write_source_file
 
 pytest.importorskip("pyspark", reason="the Spark sink needs dualwrite[spark]")
@@ -236,10 +236,7 @@ def test_spark_sink_under_broker_faults(
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.wait()
-        for node in cluster.nodes:  # whole again, for what follows
-            cluster.resume_broker(node.index)
-            if not cluster.is_running(node.index):
-                cluster.restart_broker(node.index)
+        heal_brokers(cluster)  # whole again, for what follows
     ran = time.time() - faults_began
 
     report = dualwrite.recover(pg.url, {"bootstrap.servers": cluster.bootstrap_servers},
