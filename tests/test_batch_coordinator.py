@@ -504,3 +504,19 @@ def test_publish_counts_the_rows_it_moves(engine: sa.Engine, sink: str) -> None:
     staging.write(sink, 1, "k-lose", [(3, "c")])
     with engine.begin() as conn:
         assert staging.publish(conn, sink, 1, ["k-win"]) == 2
+
+
+def test_staging_failures_are_typed(engine: sa.Engine, sink: str) -> None:
+    """The staging table's own statements fail with dualwrite's errors (the sink's close and
+    ``dualwrite recover`` purge it), never SQLAlchemy's."""
+    sa.Table("items", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True),
+             sa.Column("name", sa.String(50))).create(engine)
+    staging = StagingTable(engine, "items")
+    staging.create()
+    staging.write(sink, 1, "k", [(1, "a")])
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"DROP TABLE {staging.name}"))
+    for call in (lambda: staging.purge(sink), lambda: staging.discard(sink, 1, "k"),
+                 lambda: staging.count(sink)):
+        with pytest.raises(dualwrite.DualWriteError):
+            call()

@@ -396,9 +396,19 @@ class StagingTable:
             sa.Index(f"ix_{self.name}_batch", "dw_sink_id", "dw_batch_id", "dw_attempt"),
         )
 
+    @contextmanager
+    def _transaction(self, *, read_only: bool = False) -> Iterator[Connection]:
+        """:func:`~dualwrite.database.transaction` for the staging table's own statements,
+        whose failures are translated too: the sink's close and ``dualwrite recover`` purge."""
+        try:
+            with transaction(self.engine, read_only=read_only) as conn:
+                yield conn
+        except sa.exc.SQLAlchemyError as exc:
+            raise database_error(exc, self.engine.url) from exc
+
     def create(self) -> None:
         """Create the staging table if it does not exist (idempotent, safe concurrently)."""
-        with transaction(self.engine) as conn:
+        with self._transaction() as conn:
             self.table.create(conn, checkfirst=True)
 
     def write(self, sink_id: str, batch_id: int, attempt_key: str,
@@ -409,7 +419,7 @@ class StagingTable:
         count = 0
         insert = sa.insert(self.table)
         chunk: list[dict[str, Any]] = []
-        with transaction(self.engine) as conn:
+        with self._transaction() as conn:
             for row in rows:
                 values = dict(zip(self.columns, row, strict=True))
                 values.update(dw_sink_id=sink_id, dw_batch_id=batch_id, dw_attempt=attempt_key)
@@ -476,14 +486,14 @@ class StagingTable:
         condition = s.dw_sink_id == sink_id
         if up_to_batch is not None:
             condition = condition & (s.dw_batch_id <= up_to_batch)
-        with transaction(self.engine) as conn:
+        with self._transaction() as conn:
             result = conn.execute(sa.delete(self.table).where(condition))
         return result.rowcount
 
     def discard(self, sink_id: str, batch_id: int, attempt_key: str) -> int:
         """Delete one task attempt's staged rows (a straggler of a batch already decided)."""
         s = self.table.c
-        with transaction(self.engine) as conn:
+        with self._transaction() as conn:
             result = conn.execute(sa.delete(self.table).where(
                 s.dw_sink_id == sink_id, s.dw_batch_id == batch_id, s.dw_attempt == attempt_key))
         return result.rowcount
@@ -492,5 +502,5 @@ class StagingTable:
         query = sa.select(sa.func.count()).select_from(self.table)
         if sink_id is not None:
             query = query.where(self.table.c.dw_sink_id == sink_id)
-        with transaction(self.engine, read_only=True) as conn:
+        with self._transaction(read_only=True) as conn:
             return int(conn.execute(query).scalar_one())
