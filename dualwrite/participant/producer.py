@@ -28,6 +28,7 @@ from dualwrite.errors import (
     RetriableError,
     TransactionStateError,
 )
+from dualwrite.participant.client_config import librdkafka_config
 from dualwrite.participant.completion import OwnerAlive, complete
 from dualwrite.participant.control_plane import ControlPlane, TxnState
 from dualwrite.participant.coordinator_link import CoordinatorLinkWatch
@@ -75,7 +76,7 @@ class TwoPhaseProducer:
         self._timeout_s = timeout_s
         self._owns_cp = control_plane is None
         self._cp = control_plane or ControlPlane(config, timeout_s=timeout_s)
-        self._config = dict(config)
+        self._config = librdkafka_config(config)
         if "transaction.timeout.ms" not in self._config:
             probe = self._cp.probe(check_2pc=False)
             if probe.max_transaction_timeout_ms:
