@@ -273,3 +273,31 @@ def test_first_transactions_on_a_fresh_broker_log_no_warning(
         assert warnings == []
         assert sum("committed transactional_id=fresh-" in r.getMessage()
                    for r in caplog.records) == 12
+
+
+def test_sqlite_lock_files_are_ignored_by_git(tmp_path: Path) -> None:
+    """The lease and decision-lock files dualwrite creates beside an SQLite database file."""
+    from dualwrite.batch.decision_log import DecisionLog
+    from dualwrite.writer.lease import Leases
+
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    db = tmp_path / "app.db"
+    engine = dualwrite.create_engine(f"sqlite:///{db}")
+    dualwrite.upgrade_database(engine)
+    try:
+        with DecisionLog(engine).locked("sink-a"):  # the batch sinks' decision lock
+            pass
+        with engine.connect() as conn:
+            lease = Leases(engine).try_acquire(conn, "writer-a")
+            assert lease is not None
+            lease.release()
+    finally:
+        engine.dispose()
+    made = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.lock"))
+    assert len(made) == 2, made
+    for rel in made:  # the same names inside the repository must be ignored
+        ignored = subprocess.run(["git", "-C", str(repo), "check-ignore", "-q", str(rel)],
+                                 check=False)
+        assert ignored.returncode == 0, f"{rel} is not ignored by .gitignore"
