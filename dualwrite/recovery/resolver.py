@@ -66,6 +66,10 @@ _LIVE_WRITER = ("a live writer holds this transactional id's lease and finishes 
 
 Progress = Callable[[RecoveryResult], None]
 
+# How long status waits to read one anchor (an open transaction may hold the partition's last
+# stable offset below it): status answers quickly and says "could not be confirmed" instead.
+_STATUS_ANCHOR_S = 5.0
+
 
 class RecoveryRun:
     """One :func:`recover` run: its clients and options, and the state its threads share.
@@ -460,7 +464,12 @@ def _classify(cp: ControlPlane, kafka_config: Mapping[str, Any], row: StateRow,
         if desc.state is not TxnState.ONGOING:
             return result(Condition.IN_DOUBT, f"the coordinator is writing the markers of "
                           f"{who} ({desc.state.value})")
-        if names_open_transaction(cp, desc, state):
+        try:
+            named = names_open_transaction(cp, desc, state)
+        except DualWriteError as exc:  # the anchor's leader did not answer: say so, go on
+            return result(Condition.IN_DOUBT, f"an open transaction of {who}; whether it is the "
+                          f"stored one could not be checked ({exc}): run `dualwrite recover`")
+        if named:
             return result(Condition.IN_DOUBT, "the database decided to commit this open "
                           "transaction; its Kafka commit is pending: run `dualwrite recover`")
         return result(Condition.IN_DOUBT, f"an open transaction of {who} that the database did "
@@ -477,7 +486,8 @@ def _classify(cp: ControlPlane, kafka_config: Mapping[str, Any], row: StateRow,
         return result(Condition.COMPLETED, "committed at the broker (CompleteCommit, same "
                       "producer id and epoch): its writer stopped without close()")
     try:
-        committed = named_transaction_committed(cp, kafka_config, tid, state, desc, timeout_s)
+        committed = named_transaction_committed(cp, kafka_config, tid, state, desc,
+                                                min(timeout_s, _STATUS_ANCHOR_S))
     except OutcomeUnreadableError as exc:
         return result(Condition.HEURISTIC, exc.detail)
     except (BrokerUnreachableError, DatabaseUnreachableError):
