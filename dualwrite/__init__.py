@@ -10,12 +10,14 @@ from dualwrite.database import check_schema, create_engine, upgrade_database
 from dualwrite.errors import *  # noqa: F403 (every error is API: errors.__all__)
 from dualwrite.participant import PreparedTxnState, TwoPhaseProducer
 from dualwrite.recovery import (
+    OpenTransaction,
     Outcome,
     RecoveryReport,
     RecoveryResult,
     SinkRecoveryResult,
     SinkStatus,
     StatusReport,
+    open_transactions,
     recover,
     status,
 )
@@ -26,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DualWriteTransaction",
     "DualWriter",
+    "OpenTransaction",
     "Outcome",
     "PreparedTxnState",
     "RecoveryReport",
@@ -37,6 +40,7 @@ __all__ = [
     "__version__",
     "check_schema",
     "create_engine",
+    "open_transactions",
     "recover",
     "status",
     "upgrade_database",

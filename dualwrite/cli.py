@@ -3,12 +3,14 @@
 Exit codes (stable, for scripts and operators):
 
 ==  ==========================================================================
-0   everything resolved / the command did what it said
+0   everything resolved / the command did what it said / status: nothing in doubt
 1   an error that is not one of the below (the message says what to do)
-2   bad usage (unknown option, malformed argument)
+2   bad usage (unknown option, malformed argument); force-terminate of an id the
+    coordinator does not know, without --force
 3   a heuristic outcome: the database committed, Kafka aborted; a human must act
 4   the Kafka cluster or the database could not be reached
-5   some transactional ids could not be resolved (see the report); retry
+5   some transactional ids could not be resolved (recover; see the report; retry), or
+    status found a transaction or batch in doubt (run recover)
 ==  ==========================================================================
 """
 
@@ -32,9 +34,17 @@ from dualwrite.errors import (
     DualWriteError,
     HeuristicOutcomeError,
 )
-from dualwrite.participant.client_config import load_properties
-from dualwrite.participant.control_plane import ControlPlane, TransactionDescription
-from dualwrite.recovery import RecoveryResult, SinkRecoveryResult, recover, status
+from dualwrite.participant.client_config import LIBRDKAFKA_LOGGER, load_properties
+from dualwrite.participant.control_plane import ControlPlane
+from dualwrite.recovery import (
+    Condition,
+    OpenTransaction,
+    RecoveryResult,
+    SinkRecoveryResult,
+    StatusReport,
+    recover,
+    status,
+)
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -108,7 +118,8 @@ def timeout_option(fn: F) -> F:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
+@click.option("-v", "--verbose", count=True,
+              help="More logging, librdkafka's own lines included (-vv for debug).")
 @click.version_option(package_name="dualwrite")
 def main(verbose: int) -> None:
     """dualwrite: atomic writes to a SQL database and Kafka (KIP-939 two-phase commit).
@@ -124,6 +135,10 @@ def main(verbose: int) -> None:
         # kafka-python logs every failed connection attempt; the command's own message says what
         # failed and what to do.
         logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    if verbose:
+        # librdkafka's own lines (GETPID, REQTMOUT, FAIL ...): quiet by default, see
+        # client_config.LIBRDKAFKA_LOGGER.
+        logging.getLogger(LIBRDKAFKA_LOGGER).setLevel(level)
 
 
 @main.command()
@@ -135,7 +150,9 @@ def main(verbose: int) -> None:
 @_guarded
 def probe(bootstrap_servers: str | None, kafka_properties: str | None, timeout_s: float,
           as_json: bool, no_2pc_check: bool) -> None:
-    """What a Kafka cluster supports for two-phase commit."""
+    """What a Kafka cluster supports for two-phase commit; the last line is the verdict
+    ("dualwrite: supported — epoch-resume mode ..." or what is missing). Exit 0 either way
+    (the verdict and --json's "supported" say it), 4 when the cluster cannot be reached."""
     config = _kafka_config(bootstrap_servers, kafka_properties)
     with ControlPlane(config, timeout_s=timeout_s) as cp:
         result = cp.probe(check_2pc=not no_2pc_check)
@@ -155,6 +172,7 @@ def probe(bootstrap_servers: str | None, kafka_properties: str | None, timeout_s
         click.echo(f"{name:>22}: {version(key)}")
     click.echo(f"InitProducerId v6 Enable2Pc: {result.enable_2pc}")
     click.echo(f"InitProducerId v6 KeepPreparedTxn: {result.keep_prepared_txn}")
+    click.echo(result.verdict)
 
 
 @main.command(name="recover")
@@ -253,31 +271,61 @@ def _sink_line(s: SinkRecoveryResult) -> str:
 @_guarded
 def status_command(db_url: str, bootstrap_servers: str | None, kafka_properties: str | None,
                    timeout_s: float, prefix: str | None, as_json: bool) -> None:
-    """In-doubt transactions (state table joined with the brokers' view), batch sinks' last
-    batches with their participants and lingering transactions, and hanging transactions."""
+    """What is in doubt: each id of the state table classified against the brokers' view,
+    batch sinks' last batches, and hanging (open, unowned) transactions.
+
+    \b
+    Each id is one of:
+      in-doubt             a decision is still to be carried out (an open transaction to
+                           commit or abort, or an outcome to confirm): run `dualwrite recover`
+      completed            committed at the broker; its writer stopped without close()
+      left-to-live-writer  a live writer holds the id's lease and finishes it itself
+      heuristic            Kafka aborted what the database decided to commit
+      clear                nothing stored, nothing open
+
+    Exit 0 when nothing is in doubt, 5 when an id or a batch sink is in doubt, 3 on a heuristic
+    outcome, 4 when Kafka or the database cannot be reached. Hanging transactions are listed,
+    not counted: they may belong to live producers that dualwrite does not know.
+    """
     config = _kafka_config(bootstrap_servers, kafka_properties)
     report = status(create_engine(db_url), config, prefix=prefix, timeout_s=timeout_s)
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=2))
-        return
-    click.echo(f"{'transactional id':<32} {'broker state':<15} {'open for':>10}  prepared state")
+    else:
+        _print_status(report)
+    if report.heuristic:
+        sys.exit(EXIT_HEURISTIC)
+    if report.in_doubt or report.sinks_in_doubt:
+        sys.exit(EXIT_UNRESOLVED)
+
+
+def _print_status(report: StatusReport) -> None:
+    click.echo(f"{'transactional id':<32} {'condition':<20} {'broker state':<15} "
+               f"{'open for':>10}  prepared state")
     for r in report.rows:
         b = r.broker
         opened = r.open_for_ms
-        click.echo(f"{r.transactional_id:<32} {(b.state.value if b else 'unknown'):<15} "
+        condition = r.condition.value if r.condition else "?"
+        click.echo(f"{r.transactional_id:<32} {condition:<20} "
+                   f"{(b.state.value if b else 'unknown'):<15} "
                    f"{(f'{opened / 1000:.1f}s' if opened is not None else '-'):>10}  "
                    f"{r.state or '(none)'}")
-    click.echo(f"in doubt: {sum(1 for r in report.rows if r.in_doubt)}; "
-               f"ActiveTransactionOpenTimeMaxMs: {report.active_transaction_open_time_max_ms}")
+        if r.detail and r.condition is not Condition.CLEAR:
+            click.echo(f"{'':<34}{r.detail}")
+    counts = ", ".join(f"{k}={v}" for k, v in report.as_dict()["counts"].items())
+    click.echo(f"in doubt: {len(report.in_doubt)}"
+               + (f" ({counts})" if counts else "")
+               + f"; ActiveTransactionOpenTimeMaxMs: "
+               f"{report.active_transaction_open_time_max_ms}")
     if report.hanging:
         click.echo("hanging (open at the broker, no state row):")
-        for h in report.hanging:
-            click.echo(f"  {_open_txn(h)}")
+        for h in report.open_transactions:
+            click.echo(f"  {h}")
     else:
         click.echo("hanging: none")
     if report.sinks:
-        doubt = sum(1 for s in report.sinks if s.in_doubt)
-        click.echo(f"batch sinks: {len(report.sinks)}, batches in doubt: {doubt}")
+        click.echo(f"batch sinks: {len(report.sinks)}, batches in doubt: "
+                   f"{len(report.sinks_in_doubt)}")
     for s in report.sinks:
         state = "in doubt" if s.in_doubt else "completed"
         click.echo(f"  sink {s.sink_id}: batch {s.last_batch_id} {state}, decided "
@@ -289,12 +337,7 @@ def status_command(db_url: str, bootstrap_servers: str | None, kafka_properties:
             click.echo(f"    p{p.partition_id} {p.transactional_id:<40} "
                        f"{(b.state.value if b else 'unknown'):<15} {shown:>10}  {p.state}")
         for d in s.lingering:
-            click.echo(f"    lingering: {_open_txn(d)}")
-
-
-def _open_txn(d: TransactionDescription) -> str:
-    return (f"{d.transactional_id} producer_id={d.producer_id} epoch={d.epoch} "
-            f"{d.state.value} open for {(d.open_for_ms() or 0) / 1000:.1f}s")
+            click.echo(f"    lingering: {OpenTransaction.of(d)}")
 
 
 @main.command(name="force-terminate")
@@ -302,18 +345,28 @@ def _open_txn(d: TransactionDescription) -> str:
 @timeout_option
 @click.option("--transactional-id", "-t", "transactional_id", required=True)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--force", is_flag=True,
+              help="Also for an id the coordinator does not know (this creates it there).")
 @_guarded
 def force_terminate(bootstrap_servers: str | None, kafka_properties: str | None,
-                    timeout_s: float, transactional_id: str, yes: bool) -> None:
+                    timeout_s: float, transactional_id: str, yes: bool, force: bool) -> None:
     """Abort the open transaction of an id and fence its producer (KIP-939's
     forceTerminateTransaction). Records of that transaction are lost even if a database decided
-    to commit it: prefer `dualwrite recover`."""
-    if not yes and not click.confirm(f"Abort the open transaction of {transactional_id!r} and "
-                                     "fence its producer?"):
-        _fail("not confirmed", EXIT_ERROR)
+    to commit it: prefer `dualwrite recover`.
+
+    An id the coordinator does not know (mistyped?) is refused with exit 2 unless --force:
+    fencing it would create producer state for it at the broker.
+    """
     config = _kafka_config(bootstrap_servers, kafka_properties)
     with ControlPlane(config, timeout_s=timeout_s) as cp:
         before = cp.describe_transaction(transactional_id)
+        if before is None and not force:
+            _fail(f"the coordinator does not know transactional id {transactional_id!r} "
+                  "(mistyped?): nothing to terminate, nothing done. --force fences it anyway, "
+                  "which creates the id at the broker", EXIT_USAGE)
+        if not yes and not click.confirm(f"Abort the open transaction of {transactional_id!r} "
+                                         "and fence its producer?"):
+            _fail("not confirmed", EXIT_ERROR)
         identity = cp.fence(transactional_id)
     was = f"{before.state.value} (producer_id={before.producer_id}, epoch={before.epoch})" \
         if before else "unknown to the coordinator"

@@ -64,12 +64,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _kafka_logger_level() -> Iterator[None]:
-    """The CLI, when a test runs it in-process, quiets kafka-python's logger for the whole
-    process; restore its level so that later tests see what they log."""
-    kafka_logger = logging.getLogger("kafka")
-    level = kafka_logger.level
+    """The CLI, when a test runs it in-process, quiets kafka-python's logger (and at -v opens
+    librdkafka's) for the whole process; restore their levels so that later tests see what
+    they log and nothing more."""
+    loggers = [logging.getLogger(name) for name in ("kafka", "dualwrite.librdkafka")]
+    levels = [logger.level for logger in loggers]
     yield
-    kafka_logger.setLevel(level)
+    for logger, level in zip(loggers, levels, strict=True):
+        logger.setLevel(level)
 
 
 def _cluster(

@@ -137,12 +137,12 @@ def test_status(db: str, store: StateStore, bootstrap: str, topic: str) -> None:
     assert store.compare_and_set(doubt, "", str(state))
     prepare_open(bootstrap, topic, hanging, ["h"])
     text = dw("status", "--db", db, "-b", bootstrap, "--prefix", prefix)
-    assert text.returncode == 0, text.stderr
+    assert text.returncode == 5, text.stderr  # something is in doubt
     assert doubt in text.stdout and "Ongoing" in text.stdout and str(state) in text.stdout
     assert "in doubt: 1" in text.stdout
     assert hanging in text.stdout
     as_json = dw("status", "--db", db, "-b", bootstrap, "--prefix", prefix, "--json")
-    assert as_json.returncode == 0, as_json.stderr
+    assert as_json.returncode == 5, as_json.stderr
     report = json.loads(as_json.stdout)
     row = report["transactional_ids"][0]
     assert row["transactional_id"] == doubt and row["in_doubt"] is True
@@ -267,7 +267,7 @@ def test_status_and_recover_batch_sink(db: str, bootstrap: str, topic: str) -> N
             loser = _participant(bootstrap, coord, topic, 3, 0, 1, "loser")
             assert coord.decide(3, parts)  # the driver died before committing
         as_json = dw("status", "--db", db, "-b", bootstrap, "--prefix", sink, "--json")
-        assert as_json.returncode == 0, as_json.stderr
+        assert as_json.returncode == 5, as_json.stderr  # the batch is in doubt
         report = json.loads(as_json.stdout)
         [entry] = report["sinks"]
         assert entry["sink_id"] == sink and entry["last_batch_id"] == 3
@@ -279,7 +279,7 @@ def test_status_and_recover_batch_sink(db: str, bootstrap: str, topic: str) -> N
         assert entry["lingering"][0]["state"] == "Ongoing"
         assert report["hanging"] == []  # the loser is attributed to its sink
         text = dw("status", "--db", db, "-b", bootstrap, "--prefix", sink)
-        assert text.returncode == 0, text.stderr
+        assert text.returncode == 5, text.stderr
         assert f"sink {sink}: batch 3 in doubt" in text.stdout
         assert f"lingering: {loser.transactional_id}" in text.stdout
         assert "batches in doubt: 1" in text.stdout and "hanging: none" in text.stdout

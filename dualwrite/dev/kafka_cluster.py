@@ -213,7 +213,9 @@ def create_topic(
     from confluent_kafka.admin import AdminClient
     from confluent_kafka.cimpl import NewTopic
 
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+    conf: dict[str, Any] = {"bootstrap.servers": bootstrap_servers,
+                            "logger": logging.getLogger("dualwrite.librdkafka.dev")}
+    admin = AdminClient(conf)
     futures = admin.create_topics(
         [NewTopic(name, partitions, replication_factor, config=dict(config or {}))],
         operation_timeout=timeout,
@@ -248,7 +250,9 @@ class ExternalKafkaCluster:
         """How many brokers the cluster metadata lists now."""
         from confluent_kafka.admin import AdminClient
 
-        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers})
+        conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap_servers,
+                                "logger": logging.getLogger("dualwrite.librdkafka.dev")}
+        admin = AdminClient(conf)
         return len(admin.list_topics(timeout=10.0).brokers)
 
     def create_topic(self, name: str, partitions: int = 3, replication_factor: int | None = None,
@@ -566,7 +570,7 @@ class LocalKafkaCluster(LocalServer):
             if admin is None and all(port_open(n.port) for n in self.nodes):
                 conf: dict[str, Any] = {
                     "bootstrap.servers": self.bootstrap_servers,
-                    "logger": logging.getLogger("dualwrite.dev.librdkafka"),
+                    "logger": logging.getLogger("dualwrite.librdkafka.dev"),
                 }
                 admin = AdminClient(conf)
             if admin is not None:
@@ -744,7 +748,7 @@ class LocalKafkaCluster(LocalServer):
         from confluent_kafka.admin import AdminClient
 
         conf: dict[str, Any] = dict(config)
-        conf["logger"] = logging.getLogger("dualwrite.dev.librdkafka")
+        conf["logger"] = logging.getLogger("dualwrite.librdkafka.dev")
         admin = AdminClient(conf)
         deadline = time.monotonic() + timeout
         while True:

@@ -153,7 +153,7 @@ def _admin(bootstrap_servers: str) -> Any:
     from confluent_kafka.admin import AdminClient
 
     conf: dict[str, Any] = {"bootstrap.servers": bootstrap_servers,
-                            "logger": logging.getLogger("dualwrite.dev.librdkafka")}
+                            "logger": logging.getLogger("dualwrite.librdkafka.dev")}
     return AdminClient(conf)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -18,7 +19,8 @@ def read_committed(bootstrap: str, topic: str, *, timeout_s: float = 60.0
     consumer = Consumer({"bootstrap.servers": bootstrap,
                          "group.id": f"dualwrite-verify-{uuid.uuid4().hex}",
                          "isolation.level": "read_committed", "enable.auto.commit": False,
-                         "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+                         "enable.partition.eof": True, "auto.offset.reset": "earliest",
+                         "logger": logging.getLogger("dualwrite.librdkafka.dev")})
     try:
         meta = consumer.list_topics(topic, timeout=10).topics[topic]
         consumer.assign([TopicPartition(topic, p, 0) for p in meta.partitions])

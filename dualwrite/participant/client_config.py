@@ -11,15 +11,39 @@ from typing import Any
 from dualwrite.errors import FatalError
 
 __all__ = [
+    "LIBRDKAFKA_LOGGER",
     "Secret",
     "authentication_failure",
     "install_log_redaction",
     "kafka_python_config",
+    "librdkafka_config",
     "load_properties",
     "redacted",
 ]
 
 log = logging.getLogger(__name__)
+
+LIBRDKAFKA_LOGGER = "dualwrite.librdkafka"
+"""The logger of librdkafka's own log lines (``GETPID``, ``REQTMOUT``, ``FAIL`` ...) for every
+confluent-kafka client dualwrite creates. librdkafka reports transient trouble it retries by
+itself there; what dualwrite must act on reaches it as errors. So the logger is quiet by
+default: its level is CRITICAL (librdkafka's fatal lines) unless the application sets one,
+e.g. ``logging.getLogger("dualwrite.librdkafka").setLevel(logging.INFO)``; ``dualwrite -v``
+does."""
+
+_librdkafka_log = logging.getLogger(LIBRDKAFKA_LOGGER)
+if _librdkafka_log.level == logging.NOTSET:
+    _librdkafka_log.setLevel(logging.CRITICAL)
+
+
+def librdkafka_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a confluent-kafka configuration whose log lines go through Python ``logging``
+    (the application's ``logger`` if it set one, else :data:`LIBRDKAFKA_LOGGER`), never raw
+    to stderr. confluent-kafka queues them and hands them over on ``poll``/``flush``."""
+    out = dict(config)
+    if out.get("logger") is None:
+        out["logger"] = _librdkafka_log
+    return out
 
 
 class Secret(str):
@@ -179,8 +203,7 @@ def authentication_failure(config: Mapping[str, Any], timeout_s: float) -> str |
                             if k == "bootstrap.servers" or k.startswith(("sasl.", "ssl.",
                                                                          "security."))}
     conf["error_cb"] = errors.append
-    conf["logger"] = logging.getLogger("dualwrite.librdkafka")
-    admin = AdminClient(conf)
+    admin = AdminClient(librdkafka_config(conf))
     future = admin.describe_cluster(request_timeout=timeout_s)
     deadline = time.monotonic() + timeout_s
     failed: KafkaError | None = None

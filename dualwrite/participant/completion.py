@@ -31,6 +31,7 @@ from dualwrite.errors import (
     ProducerFencedError,
     RetriableError,
 )
+from dualwrite.participant.client_config import librdkafka_config
 from dualwrite.participant.control_plane import (
     ActiveProducer,
     ControlPlane,
@@ -54,6 +55,8 @@ __all__ = [
     "committed_at_anchor",
     "complete",
     "end_open_transaction",
+    "named_transaction_committed",
+    "names_open_transaction",
     "prefetch",
 ]
 
@@ -269,7 +272,7 @@ def complete(cp: ControlPlane, consumer_config: Mapping[str, Any], transactional
     aborted_other = done is Outcome.ABORTED
     if state.is_empty:
         return Outcome.ABORTED if aborted_other else Outcome.NOTHING
-    if _named_transaction_committed(cp, consumer_config, tid, state, desc, timeout_s):
+    if named_transaction_committed(cp, consumer_config, tid, state, desc, timeout_s):
         log.info("prepared transaction already committed transactional_id=%s producer_id=%d "
                  "epoch=%d state=%s", tid, state.producer_id, state.epoch, state)
         return Outcome.ABORTED if aborted_other else Outcome.ALREADY_COMMITTED
@@ -282,9 +285,13 @@ def complete(cp: ControlPlane, consumer_config: Mapping[str, Any], transactional
     raise HeuristicAbortError(tid, str(state), detail)
 
 
-def _named_transaction_committed(cp: ControlPlane, consumer_config: Mapping[str, Any], tid: str,
-                                 state: PreparedTxnState, desc: TransactionDescription | None,
-                                 timeout_s: float) -> bool:
+def named_transaction_committed(cp: ControlPlane, consumer_config: Mapping[str, Any], tid: str,
+                                state: PreparedTxnState, desc: TransactionDescription | None,
+                                timeout_s: float) -> bool:
+    """Whether the transaction ``state`` names, no longer open (``desc``: the coordinator's
+    view, None if it does not know the id), committed: by its anchor (or, without one, by the
+    coordinator's CompleteCommit under the same producer id and epoch). Raises like
+    :func:`committed_at_anchor`."""
     anchor = state.anchor
     if anchor is None:
         if desc is None:
@@ -322,7 +329,7 @@ def _consumer(consumer_config: Mapping[str, Any], isolation: str) -> Consumer:
         "auto.offset.reset": "error",
     })
     try:
-        return Consumer(conf)
+        return Consumer(librdkafka_config(conf))
     except KafkaException as exc:
         raise librdkafka_error(exc, "cannot create a Kafka consumer from the configuration",
                                otherwise=FatalError) from exc

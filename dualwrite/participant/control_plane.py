@@ -65,6 +65,11 @@ _END_TXN = 26
 _DESCRIBE_PRODUCERS = 61
 _DESCRIBE_TRANSACTIONS = 65
 _LIST_TRANSACTIONS = 66
+_NEEDED_APIS = ((_FIND_COORDINATOR, "FindCoordinator"), (_INIT_PRODUCER_ID, "InitProducerId"),
+                (_END_TXN, "EndTxn"), (_DESCRIBE_PRODUCERS, "DescribeProducers"),
+                (_DESCRIBE_TRANSACTIONS, "DescribeTransactions"),
+                (_LIST_TRANSACTIONS, "ListTransactions"))
+"""What recovery and status send (besides what librdkafka's transactions need)."""
 _UNKNOWN_TOPIC_OR_PARTITION = 3
 _TRANSACTIONAL_ID_NOT_FOUND = 105
 _NOT_COORDINATOR = 16
@@ -174,8 +179,44 @@ class ProbeResult:
     enable_2pc: str
     keep_prepared_txn: str
 
+    @property
+    def missing(self) -> list[str]:
+        """The requests dualwrite needs that some broker does not offer, with those brokers."""
+        out = []
+        for key, name in _NEEDED_APIS:
+            lacking = [b.node_id for b in self.brokers if key not in b.api_versions]
+            if lacking:
+                out.append(f"{name} (broker{'s' if len(lacking) > 1 else ''} "
+                           f"{', '.join(map(str, lacking))})")
+        return out
+
+    @property
+    def supported(self) -> bool:
+        return bool(self.brokers) and not self.missing
+
+    @property
+    def verdict(self) -> str:
+        """One line: whether dualwrite works on this cluster, in which mode, or what is missing.
+
+        dualwrite runs in epoch-resume mode on every released broker: librdkafka's TV1 session
+        plus EndTxn by (producer id, epoch) and the anchor checks (docs/design.md). KIP-939's
+        KeepPreparedTxn is reported, not needed: no released broker accepts it (FACTS.md).
+        """
+        if not self.brokers:
+            return "dualwrite: not supported — no broker answered"
+        if self.missing:
+            return ("dualwrite: not supported — the brokers lack " + "; ".join(self.missing)
+                    + " (Kafka 3.0 or newer has them all)")
+        native = (" (KIP-939 KeepPreparedTxn accepted, not used yet)"
+                  if self.keep_prepared_txn.startswith("accepted") else "")
+        return (f"dualwrite: supported — epoch-resume mode (transaction.version="
+                f"{self.transaction_version}){native}")
+
     def as_dict(self) -> dict[str, Any]:
         return {
+            "supported": self.supported,
+            "missing": self.missing,
+            "verdict": self.verdict,
             "brokers": [
                 {
                     "node_id": b.node_id,

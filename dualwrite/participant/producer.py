@@ -28,6 +28,7 @@ from dualwrite.errors import (
     RetriableError,
     TransactionStateError,
 )
+from dualwrite.participant.client_config import librdkafka_config
 from dualwrite.participant.completion import OwnerAlive, complete
 from dualwrite.participant.control_plane import ControlPlane, TxnState
 from dualwrite.participant.coordinator_link import CoordinatorLinkWatch
@@ -75,7 +76,7 @@ class TwoPhaseProducer:
         self._timeout_s = timeout_s
         self._owns_cp = control_plane is None
         self._cp = control_plane or ControlPlane(config, timeout_s=timeout_s)
-        self._config = dict(config)
+        self._config = librdkafka_config(config)
         if "transaction.timeout.ms" not in self._config:
             probe = self._cp.probe(check_2pc=False)
             if probe.max_transaction_timeout_ms:
@@ -502,7 +503,7 @@ class TwoPhaseProducer:
             self.flush_and_state()
         assert self._producer is not None
         state = self._prepared or PreparedTxnState.empty()
-        troubles = self._link.troubles
+        troubles = self._troubles_so_far()
         try:
             self._commit_with_retries()
         except KafkaException as exc:
@@ -567,6 +568,15 @@ class TwoPhaseProducer:
                     continue
                 raise
 
+    def _troubles_so_far(self) -> int:
+        """The coordinator-link troubles before this EndTxn: librdkafka's log lines wait in its
+        queue until a poll, so the ones already queued (an InitProducerId that timed out while a
+        fresh coordinator loaded, say) are served first and not blamed on the EndTxn."""
+        assert self._producer is not None
+        with contextlib.suppress(KafkaException, SystemError):
+            self._producer.poll(0)
+        return self._link.troubles
+
     def _fence_late_endtxn(self, troubles: int) -> None:
         """Start a new session (a new epoch) if librdkafka may have sent this commit's or abort's
         EndTxn twice: a late first copy, fenced by the epoch, then cannot end the next one."""
@@ -611,7 +621,7 @@ class TwoPhaseProducer:
         if self._unconfirmed or self._producer is None:
             self._abort_by_new_session()
             return
-        troubles = self._link.troubles
+        troubles = self._troubles_so_far()
         try:
             self._producer.abort_transaction(self._timeout_s)
         except KafkaException as exc:

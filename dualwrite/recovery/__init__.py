@@ -1,6 +1,7 @@
 """Recovery: resolve every in-doubt transaction the database names, and report what it did.
 
-``recover`` and ``status`` live in ``resolver``; what they return in ``report``; the outcomes
+``recover`` and ``status`` live in ``resolver``; what they return in ``report``;
+``open_transactions`` (a cluster's unfinished transactions) in ``transactions``; the outcomes
 are the participant layer's ``Outcome`` (what ``complete`` returns), re-exported here.
 """
 
@@ -8,6 +9,7 @@ from dualwrite.participant.outcome import Outcome
 from dualwrite.recovery import report
 from dualwrite.recovery.report import *  # noqa: F403 (the report types: report.__all__)
 from dualwrite.recovery.resolver import recover, status
+from dualwrite.recovery.transactions import OpenTransaction, open_transactions
 
-__all__ = ["Outcome", "recover", "status"]
+__all__ = ["OpenTransaction", "Outcome", "open_transactions", "recover", "status"]
 __all__ += report.__all__

@@ -5,6 +5,7 @@ The outcomes are :class:`~dualwrite.participant.outcome.Outcome`, the enum compl
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -12,8 +13,10 @@ from typing import Any
 from dualwrite.participant.control_plane import TransactionDescription
 from dualwrite.participant.outcome import Outcome
 from dualwrite.participant.prepared_state import PreparedTxnState
+from dualwrite.recovery.transactions import OpenTransaction
 
 __all__ = [
+    "Condition",
     "InDoubt",
     "RecoveryReport",
     "RecoveryResult",
@@ -109,14 +112,41 @@ class RecoveryReport:
         }
 
 
+class Condition(enum.Enum):
+    """What ``status`` found for one transactional id of the state table."""
+
+    CLEAR = "clear"
+    """No stored prepared state and nothing open at the coordinator."""
+    IN_DOUBT = "in-doubt"
+    """A decision is still to be carried out: the stored state names a transaction still open
+    (its commit is pending), another transaction of the id is open and nothing will end it
+    (its abort is pending), the coordinator is still writing markers, or the stored
+    transaction's outcome could not be confirmed (see ``detail``). ``dualwrite recover``
+    carries it out."""
+    COMPLETED = "completed"
+    """The stored state names a transaction that is committed at the broker: a writer stopped
+    without ``close()`` (which clears it). Nothing to do; the next writer or recover clears it."""
+    LIVE_WRITER = "left-to-live-writer"
+    """A live writer holds the id's lease: it finishes its own transactions."""
+    HEURISTIC = "heuristic"
+    """Kafka aborted the transaction the database decided to commit, or the log no longer shows
+    its outcome: a human must act (``dualwrite recover`` reports it, see the README)."""
+
+
 @dataclass(frozen=True)
 class InDoubt:
-    """One transactional id as the database and the coordinator see it."""
+    """One transactional id of the state table as the database and the coordinator see it
+    (every row, not only those in doubt: see :attr:`condition`)."""
 
     transactional_id: str
     state: str
     updated_at: datetime | None
     broker: TransactionDescription | None
+    condition: Condition | None = None
+    """None when built without a classification (then :attr:`in_doubt` is the coarse rule: a
+    stored state, or something open at the coordinator)."""
+    detail: str = ""
+    """Why it has this condition, in a sentence."""
 
     @property
     def open_for_ms(self) -> int | None:
@@ -124,7 +154,14 @@ class InDoubt:
 
     @property
     def in_doubt(self) -> bool:
+        """A decision is still to be carried out (``dualwrite recover`` does)."""
+        if self.condition is not None:
+            return self.condition is Condition.IN_DOUBT
         return bool(self.state) or (self.broker is not None and self.broker.state.in_flight)
+
+    @property
+    def heuristic(self) -> bool:
+        return self.condition is Condition.HEURISTIC
 
 
 def _broker_dict(d: TransactionDescription | None) -> dict[str, Any] | None:
@@ -200,11 +237,43 @@ class SinkStatus:
 
 @dataclass(frozen=True)
 class StatusReport:
+    """What :func:`~dualwrite.recovery.status` found: every state row classified, the batch
+    sinks, and the open transactions nothing in the database names."""
+
     rows: tuple[InDoubt, ...]
     hanging: tuple[TransactionDescription, ...]
-    """Open at the broker, no state row names the transactional id, and no batch sink owns it."""
+    """Open at the broker, no state row names the transactional id, and no batch sink owns it
+    (a live producer's transaction, or one nothing will finish before its timeout)."""
     sinks: tuple[SinkStatus, ...] = ()
     """The batch sinks of the decision log (empty if the database predates it)."""
+
+    @property
+    def in_doubt(self) -> list[InDoubt]:
+        """State rows with a decision still to carry out."""
+        return [r for r in self.rows if r.in_doubt]
+
+    @property
+    def sinks_in_doubt(self) -> list[SinkStatus]:
+        """Batch sinks whose last decided batch is not completed."""
+        return [s for s in self.sinks if s.in_doubt]
+
+    @property
+    def heuristic(self) -> list[InDoubt]:
+        """State rows whose decided transaction Kafka aborted (or whose outcome is gone)."""
+        return [r for r in self.rows if r.heuristic]
+
+    @property
+    def ok(self) -> bool:
+        """Nothing in doubt and nothing heuristic (live writers and completed rows are fine)."""
+        return not (self.in_doubt or self.sinks_in_doubt or self.heuristic)
+
+    @property
+    def open_transactions(self) -> list[OpenTransaction]:
+        """The hanging transactions in the form :func:`dualwrite.open_transactions` returns."""
+        return [OpenTransaction.of(h) for h in self.hanging]
+
+    def count(self, condition: Condition) -> int:
+        return sum(1 for r in self.rows if r.condition is condition)
 
     @property
     def active_transaction_open_time_max_ms(self) -> int:
@@ -216,10 +285,15 @@ class StatusReport:
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "ok": self.ok,
+            "in_doubt": len(self.in_doubt) + len(self.sinks_in_doubt),
+            "heuristic": len(self.heuristic),
+            "counts": {c.value: self.count(c) for c in Condition if self.count(c)},
             "active_transaction_open_time_max_ms": self.active_transaction_open_time_max_ms,
             "transactional_ids": [
                 {"transactional_id": r.transactional_id, "state": r.state,
-                 "in_doubt": r.in_doubt,
+                 "condition": r.condition.value if r.condition else None,
+                 "in_doubt": r.in_doubt, "detail": r.detail,
                  "updated_at": r.updated_at.isoformat() if r.updated_at else None,
                  "broker": _broker_dict(r.broker)} for r in self.rows],
             "hanging": [dict(transactional_id=h.transactional_id, **(_broker_dict(h) or {}))

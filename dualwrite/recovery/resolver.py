@@ -41,13 +41,16 @@ from dualwrite.participant.completion import (
     Prefetched,
     complete,
     end_open_transaction,
+    named_transaction_committed,
+    names_open_transaction,
     prefetch,
 )
 from dualwrite.participant.control_plane import ControlPlane, TransactionDescription, TxnState
 from dualwrite.participant.outcome import Outcome
 from dualwrite.participant.prepared_state import PreparedTxnState
 from dualwrite.recovery import report as reports
-from dualwrite.recovery.report import RecoveryResult, SinkRecoveryResult
+from dualwrite.recovery.report import Condition, RecoveryResult, SinkRecoveryResult
+from dualwrite.recovery.transactions import describe_open
 from dualwrite.writer.lease import Leases
 from dualwrite.writer.state_store import StateRow, StateStore
 
@@ -62,6 +65,10 @@ _LIVE_WRITER = ("a live writer holds this transactional id's lease and finishes 
                 "transactions; recovery leaves it alone")
 
 Progress = Callable[[RecoveryResult], None]
+
+# How long status waits to read one anchor (an open transaction may hold the partition's last
+# stable offset below it): status answers quickly and says "could not be confirmed" instead.
+_STATUS_ANCHOR_S = 5.0
 
 
 class RecoveryRun:
@@ -378,7 +385,16 @@ def recover(engine: Engine | str, kafka_config: Mapping[str, Any],
 
 def status(engine: Engine | str, kafka_config: Mapping[str, Any], *,
            prefix: str | None = None, timeout_s: float = 30.0) -> reports.StatusReport:
-    """State rows joined with the coordinator's view, batch sinks, and hanging transactions.
+    """Every state row classified (:class:`~dualwrite.recovery.report.Condition`), batch sinks,
+    and hanging transactions.
+
+    A row is *in doubt* only when a decision is still to be carried out: its stored state names
+    a transaction still open, another transaction of the id is open, or the stored
+    transaction's outcome cannot be confirmed. A row left by a writer that stopped without
+    ``close()`` whose transaction is committed at the broker is *completed*, an id whose lease a
+    live writer holds is left to it, and a transaction Kafka aborted although the database
+    decided commit is *heuristic*. Status changes nothing (it takes free leases only for the
+    instant of checking them).
 
     A hanging transaction is open at the broker under a transactional id that has no state row
     and is not in the id pool of a batch sink of the decision log (optionally only ids starting
@@ -396,17 +412,18 @@ def status(engine: Engine | str, kafka_config: Mapping[str, Any], *,
     def owner(tid: str) -> str | None:
         return next((sink for sink, pattern in pools if pattern.fullmatch(tid)), None)
 
+    with Leases(engine).hold_free(engine, known) as held:
+        live = known - held.ids
     participant_ids = [p.transactional_id for r in records for p in r.participants]
     with ControlPlane(kafka_config, timeout_s=timeout_s) as cp:
         described = cp.describe_transactions([r.transactional_id for r in rows]
                                              + participant_ids)
-        open_states = [TxnState.ONGOING, TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT]
+        joined = tuple(_classify(cp, kafka_config, r, described.get(r.transactional_id),
+                                 r.transactional_id in live, timeout_s) for r in rows)
         # The sinks' pools need every open transaction, not only those matching ``prefix``.
-        listed = cp.list_transactions(states=open_states, prefix=None if pools else prefix)
-        others = [t.transactional_id for t in listed if t.transactional_id not in known
-                  and (owner(t.transactional_id) is not None or prefix is None
-                       or t.transactional_id.startswith(prefix))]
-        open_now = [d for d in cp.describe_transactions(others).values() if d.state.in_flight]
+        open_now = [d for d in describe_open(cp, prefix=None if pools else prefix, exclude=known)
+                    if owner(d.transactional_id) is not None or prefix is None
+                    or d.transactional_id.startswith(prefix)]
     hanging = [d for d in open_now if owner(d.transactional_id) is None]
     lingering: dict[str, list[TransactionDescription]] = {}
     for r in records:
@@ -422,8 +439,64 @@ def status(engine: Engine | str, kafka_config: Mapping[str, Any], *,
                   for p in r.participants),
             tuple(lingering[r.sink_id]))
         for r in records)
-    joined = tuple(reports.InDoubt(r.transactional_id, r.prepared_txn_state,
-                                   r.updated_at.astimezone(UTC), described.get(r.transactional_id))
-                   for r in rows)
     hanging_sorted = tuple(sorted(hanging, key=lambda d: d.transactional_id))
     return reports.StatusReport(joined, hanging_sorted, sinks)
+
+
+def _classify(cp: ControlPlane, kafka_config: Mapping[str, Any], row: StateRow,
+              desc: TransactionDescription | None, live: bool, timeout_s: float
+              ) -> reports.InDoubt:
+    """One state row with its :class:`~dualwrite.recovery.report.Condition` and why."""
+    tid, text = row.transactional_id, row.prepared_txn_state
+
+    def result(condition: Condition, detail: str) -> reports.InDoubt:
+        return reports.InDoubt(tid, text, row.updated_at.astimezone(UTC), desc, condition,
+                               detail)
+
+    if live:
+        return result(Condition.LIVE_WRITER, _LIVE_WRITER)
+    try:
+        state = PreparedTxnState.parse(text)
+    except DualWriteError as exc:
+        return result(Condition.IN_DOUBT, f"{exc}; `dualwrite recover` reports it for a human")
+    if desc is not None and desc.state.in_flight:
+        who = f"producer_id={desc.producer_id} epoch={desc.epoch}"
+        if desc.state is not TxnState.ONGOING:
+            return result(Condition.IN_DOUBT, f"the coordinator is writing the markers of "
+                          f"{who} ({desc.state.value})")
+        try:
+            named = names_open_transaction(cp, desc, state)
+        except DualWriteError as exc:  # the anchor's leader did not answer: say so, go on
+            return result(Condition.IN_DOUBT, f"an open transaction of {who}; whether it is the "
+                          f"stored one could not be checked ({exc}): run `dualwrite recover`")
+        if named:
+            return result(Condition.IN_DOUBT, "the database decided to commit this open "
+                          "transaction; its Kafka commit is pending: run `dualwrite recover`")
+        return result(Condition.IN_DOUBT, f"an open transaction of {who} that the database did "
+                      "not decide (its writer stopped before the database COMMIT): `dualwrite "
+                      "recover` aborts it" + ("" if state.is_empty else
+                                               " and confirms the stored one's outcome"))
+    if state.is_empty:
+        return result(Condition.CLEAR, "")
+    if (desc is not None and desc.state is TxnState.COMPLETE_COMMIT
+            and (desc.producer_id, desc.epoch) == (state.producer_id, state.epoch)):
+        # The session's last transaction committed. A writer commits in Kafka only what its
+        # database COMMIT stored (recovery only what the state names), and the row keeps the
+        # last stored state, so that transaction is the stored one.
+        return result(Condition.COMPLETED, "committed at the broker (CompleteCommit, same "
+                      "producer id and epoch): its writer stopped without close()")
+    try:
+        committed = named_transaction_committed(cp, kafka_config, tid, state, desc,
+                                                min(timeout_s, _STATUS_ANCHOR_S))
+    except OutcomeUnreadableError as exc:
+        return result(Condition.HEURISTIC, exc.detail)
+    except (BrokerUnreachableError, DatabaseUnreachableError):
+        raise
+    except DualWriteError as exc:
+        return result(Condition.IN_DOUBT, f"its outcome could not be confirmed ({exc}): run "
+                      "`dualwrite recover`")
+    if committed:
+        return result(Condition.COMPLETED, "committed (its anchor record is visible to "
+                      "read_committed): its writer stopped without close()")
+    return result(Condition.HEURISTIC, "aborted by Kafka although the database decided to "
+                  "commit it: `dualwrite recover` reports it, see the README")
