@@ -30,13 +30,14 @@ from pathlib import Path
 import sqlalchemy as sa
 
 import dualwrite as dw
-from dualwrite.batch.decision_log import DecisionLog
+from dualwrite.batch import DecisionLog
 from dualwrite.database import mask_url
 from dualwrite.dev import read_committed
+from dualwrite.participant import ControlPlane, TxnState
 
 HERE = Path(__file__).resolve().parent
 PIPELINE = HERE / "orders_pipeline.py"
-OPEN_STATES = [dw.TxnState.ONGOING, dw.TxnState.PREPARE_COMMIT, dw.TxnState.PREPARE_ABORT]
+OPEN_STATES = [TxnState.ONGOING, TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT]
 STARTED = time.monotonic()
 SHORT_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
@@ -112,7 +113,7 @@ def read_committed_ids(bootstrap: str, topic: str) -> list[int]:
 
 
 def open_transactions(bootstrap: str, sink_id: str) -> list[str]:
-    with dw.ControlPlane({"bootstrap.servers": bootstrap}) as cp:
+    with ControlPlane({"bootstrap.servers": bootstrap}) as cp:
         listed = cp.list_transactions(states=OPEN_STATES, prefix=sink_id)
     return sorted(f"{t.transactional_id} ({t.state.value})" for t in listed)
 
