@@ -121,6 +121,7 @@ orders = sa.Table("orders", sa.MetaData(), sa.Column("order_id", sa.String(40)),
                   sa.Column("amount_cents", sa.Integer))
 orders.create(engine)
 checkpoint = pathlib.Path(tempfile.mkdtemp()) / "ckpt"
+os.environ["PYSPARK_PYTHON"] = sys.executable  # its workers must import dualwrite
 spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
          .config("spark.pyspark.python", sys.executable).getOrCreate())
 df = (spark.readStream.format("rate-micro-batch").option("rowsPerBatch", 50).load()
@@ -416,16 +417,23 @@ def test_readme_scenario_runs(scenario: Scenario, workdir: Path, kafka: KafkaTar
                SCENARIO_BOOTSTRAP=kafka.bootstrap_servers,
                SCENARIO_DATABASE_URL=fresh_database_url, ONE_TRANSACTION=ONE_TRANSACTION)
     for leftover in workdir.glob("*.db*"):
-        leftover.unlink()
+        if leftover.is_dir():
+            shutil.rmtree(leftover)
+        else:
+            leftover.unlink()
     shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
     started = time.monotonic()
     result = subprocess.run(["bash", "-c", _script(scenario, workdir)], cwd=workdir, env=env,
                             capture_output=True, text=True, timeout=840, check=False)
     output = result.stdout + result.stderr
     print(f"{scenario.name}: exit {result.returncode} in {time.monotonic() - started:.1f} s")
-    assert result.returncode == 0, f"{scenario.name} failed:\n{output[-6000:]}"
+    (workdir / f"{scenario.name}.log").write_text(output)
+    # What the scenario printed itself (the servers' and Spark's chatter left out).
+    said = "\n".join(line for line in result.stdout.splitlines()
+                     if not re.match(r"\s|WARN|INFO|\d\d/\d\d/\d\d ", line))
+    assert result.returncode == 0, f"{scenario.name} failed:\n{said[-3000:]}\n{output[-4000:]}"
     for pattern, count in scenario.expect:
         seen = len(re.findall(pattern, output, re.MULTILINE))
-        assert seen >= count, (f"{scenario.name}: expected {pattern!r} {count} times, saw {seen}:\n"
-                               f"{output[-6000:]}")
+        assert seen >= count, f"{scenario.name}: expected {pattern!r} {count} times, saw {seen}:" \
+                              f"\n{said[-4000:]}"
     assert "Traceback" not in output, output[-6000:]

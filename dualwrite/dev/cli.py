@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import sys
 from pathlib import Path
 from typing import Any, cast
@@ -184,7 +183,7 @@ def up(
             cluster.create_topic(name, partitions)
         if postgres:
             _stop_stale_postgres()
-            server = LocalPostgres(dualwrite_home() / "dev" / "postgres", detach=True)
+            server = LocalPostgres(detach=True)
             server.start()
     except BaseException as e:
         if cluster.nodes:
@@ -235,7 +234,7 @@ def _reuse(cluster: LocalKafkaCluster, topics: list[tuple[str, int]], postgres: 
     server = _load_postgres()
     if postgres and (server is None or not server.running()):
         _stop_stale_postgres()
-        server = LocalPostgres(dualwrite_home() / "dev" / "postgres", detach=True)
+        server = LocalPostgres(detach=True)
         try:
             server.start()
         except DevClusterError as e:
@@ -335,7 +334,6 @@ def down(keep_data: bool) -> None:
     if server is not None:
         where_db = server.url
         server.stop()
-        shutil.rmtree(dualwrite_home() / "dev" / "postgres", ignore_errors=True)
         postgres_state_file().unlink(missing_ok=True)
         click.echo(f"stopped the dev PostgreSQL at {where_db}")
     cluster = _load()
