@@ -278,7 +278,7 @@ export DUALWRITE_DATABASE_URL="$SCENARIO_DATABASE_URL"
             ("dualwrite status  --db URL -b HOST:PORT [--json]",
              '.venv/bin/dualwrite status --db "$DUALWRITE_DATABASE_URL" '
              '-b "$DUALWRITE_BOOTSTRAP_SERVERS" --json >/dev/null && echo status-ok'),
-            ("dualwrite force-terminate -b HOST:PORT -t ID",
+            ("dualwrite force-terminate -b HOST:PORT -t ID [--force]",
              '.venv/bin/dualwrite force-terminate -b "$DUALWRITE_BOOTSTRAP_SERVERS" '
              "-t readme-verbs --yes"),
             ("dualwrite db upgrade --db URL",
