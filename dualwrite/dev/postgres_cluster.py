@@ -239,13 +239,16 @@ class LocalPostgres(LocalServer):
         data_dir = Path(state["data_dir"]) if state.get("data_dir") else None
         server = cls(None if state.get("owns_data_dir", True) else data_dir,
                      backend=state["backend"], detach=True)
-        server.backend = state["backend"]
-        server.data_dir = data_dir
-        server.port = state.get("port")
-        server.pid = state.get("pid")
-        server._container = state.get("container")
-        server._url = state.get("url")
+        server._restore(state, data_dir)
         return server
+
+    def _restore(self, state: Mapping[str, Any], data_dir: Path | None) -> None:
+        self.backend = state["backend"]
+        self.data_dir = data_dir
+        self.port = state.get("port")
+        self.pid = state.get("pid")
+        self._container = state.get("container")
+        self._url = state.get("url")
 
     # -- internals -------------------------------------------------------------------------
 
