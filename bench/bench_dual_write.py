@@ -27,8 +27,8 @@ import sqlalchemy as sa
 from confluent_kafka import Producer
 
 import dualwrite as dw
-from dualwrite.dev.kafka_cluster import LocalKafkaCluster, create_topic
-from dualwrite.dev.postgres_cluster import LocalPostgres
+from dualwrite.dev import LocalKafkaCluster, LocalPostgres, create_topic
+from dualwrite.writer import StateStore
 
 metadata = sa.MetaData()
 rows_table = sa.Table("bench_rows", metadata,
@@ -124,7 +124,7 @@ def bench_size(engine: sa.Engine, bootstrap: str, topic: str, n: int, iterations
 
 def bench_recover(engine: sa.Engine, bootstrap: str, topic: str, ids: int) -> float:
     """Leave ``ids`` transactional ids prepared and DB-decided, then time one recover()."""
-    store = dw.StateStore(engine)
+    store = StateStore(engine)
     prefix = f"bench-rec-{uuid.uuid4().hex[:6]}"
     producers = []
     for i in range(ids):

@@ -23,7 +23,7 @@ that every dualwrite topic holds each record exactly once (and the table every r
                          [--value-bytes 200] [--db postgres|sqlite] [--json]
 
 Starts a local Kafka and PostgreSQL unless ``DUALWRITE_BOOTSTRAP_SERVERS`` / ``--db-url`` (or
-``DUALWRITE_DB``) are given. The Kafka connector jars are resolved once with Maven from
+``DUALWRITE_DATABASE_URL``) are given. The Kafka connector jars are resolved once with Maven from
 ``bench/spark-kafka.pom.xml`` and cached under ``.dualwrite/spark-kafka-jars``.
 """
 
@@ -356,7 +356,7 @@ def main() -> int:
                         help="batches of --partitions records each, to isolate the fixed cost "
                              "(default 20)")
     parser.add_argument("--db", choices=("postgres", "sqlite"), default="postgres")
-    parser.add_argument("--db-url", default=os.environ.get("DUALWRITE_DB"),
+    parser.add_argument("--db-url", default=os.environ.get("DUALWRITE_DATABASE_URL"),
                         help="database URL (default: a throwaway local PostgreSQL, or an SQLite "
                              "file with --db sqlite)")
     parser.add_argument("--cases", default=",".join(CASES),
@@ -383,7 +383,7 @@ def main() -> int:
     import sqlalchemy as sa
 
     import dualwrite as dw
-    from dualwrite.dev.kafka_cluster import LocalKafkaCluster, create_topic
+    from dualwrite.dev import LocalKafkaCluster, create_topic
     from dualwrite.spark import ExactlyOnceSink
 
     with ExitStack() as stack:
@@ -397,7 +397,7 @@ def main() -> int:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-spark-"))
             db_url = f"sqlite:///{tmp}/bench.db"
         elif not db_url:
-            from dualwrite.dev.postgres_cluster import LocalPostgres
+            from dualwrite.dev import LocalPostgres
             log("starting a local PostgreSQL")
             db_url = stack.enter_context(LocalPostgres()).url
         engine = dw.create_engine(db_url)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -106,10 +107,27 @@ def kafka_options(fn: F) -> F:
     return fn
 
 
+DATABASE_URL_ENV = "DUALWRITE_DATABASE_URL"
+"""The environment variable naming the database (docker-compose.yml and `dev up` export it)."""
+_DEPRECATED_DATABASE_URL_ENV = "DUALWRITE_DB"
+
+
+def _database_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str:
+    """``--db``, else $DUALWRITE_DATABASE_URL, else the deprecated $DUALWRITE_DB (warned)."""
+    if value:
+        return value
+    old = os.environ.get(_DEPRECATED_DATABASE_URL_ENV)
+    if old:
+        click.echo(f"warning: {_DEPRECATED_DATABASE_URL_ENV} is deprecated; set "
+                   f"{DATABASE_URL_ENV} instead", err=True)
+        return old
+    raise click.MissingParameter(ctx=ctx, param=param)
+
+
 def db_option(fn: F) -> F:
-    return click.option("--db", "db_url", envvar="DUALWRITE_DB", required=True,
+    return click.option("--db", "db_url", envvar=DATABASE_URL_ENV, callback=_database_url,
                         help="Database URL, e.g. sqlite:///app.db or "
-                        "postgresql://user@host/db [env DUALWRITE_DB].")(fn)
+                        f"postgresql://user@host/db [env {DATABASE_URL_ENV}].")(fn)
 
 
 def timeout_option(fn: F) -> F:

@@ -56,7 +56,7 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="dualwrite-demo-"))
     try:
         if not bootstrap:
-            from dualwrite.dev.kafka_cluster import LocalKafkaCluster
+            from dualwrite.dev import LocalKafkaCluster
 
             step("starting a local Apache Kafka 4.3.1 (KRaft, one broker)")
             started = time.monotonic()
@@ -65,7 +65,7 @@ def main() -> int:
             bootstrap = cluster.bootstrap_servers
             print(f"Kafka at {bootstrap} ({time.monotonic() - started:.1f} s)")
         topic = f"orders-{uuid.uuid4().hex[:6]}"
-        from confluent_kafka.admin import AdminClient, NewTopic
+        from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
         admin = AdminClient({"bootstrap.servers": bootstrap})
         admin.create_topics([NewTopic(topic, 3, 1)])[topic].result()

@@ -30,13 +30,12 @@ from pathlib import Path
 import sqlalchemy as sa
 
 import dualwrite as dw
-from dualwrite.batch.decision_log import DecisionLog
+from dualwrite.batch import DecisionLog
 from dualwrite.database import mask_url
 from dualwrite.dev import read_committed
 
 HERE = Path(__file__).resolve().parent
 PIPELINE = HERE / "orders_pipeline.py"
-OPEN_STATES = [dw.TxnState.ONGOING, dw.TxnState.PREPARE_COMMIT, dw.TxnState.PREPARE_ABORT]
 STARTED = time.monotonic()
 SHORT_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
@@ -112,9 +111,10 @@ def read_committed_ids(bootstrap: str, topic: str) -> list[int]:
 
 
 def open_transactions(bootstrap: str, sink_id: str) -> list[str]:
-    with dw.ControlPlane({"bootstrap.servers": bootstrap}) as cp:
-        listed = cp.list_transactions(states=OPEN_STATES, prefix=sink_id)
-    return sorted(f"{t.transactional_id} ({t.state.value})" for t in listed)
+    """The sink's transactions still open at the coordinators, as "id (state)"."""
+    listed = dw.open_transactions({"bootstrap.servers": bootstrap},
+                                  transactional_id_prefix=sink_id)
+    return [f"{t.transactional_id} ({t.state})" for t in listed]
 
 
 def count_rows(engine: sa.Engine, table: str) -> int:

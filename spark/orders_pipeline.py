@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
     from pyspark.sql.streaming.query import StreamingQuery
 
-    from dualwrite.batch.coordinator import BatchTimings
+    from dualwrite.batch import BatchTimings
     from dualwrite.spark import ExactlyOnceSink
 
 DEFAULT_DB = "sqlite:///dualwrite-demo.db"
@@ -222,7 +222,7 @@ def check_checkpoint(config: PipelineConfig) -> None:
     if commits.is_dir() and any(commits.iterdir()):
         return
     import dualwrite as dw
-    from dualwrite.batch.decision_log import DecisionLog
+    from dualwrite.batch import DecisionLog
 
     engine = dw.create_engine(config.db)
     try:

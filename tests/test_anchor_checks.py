@@ -59,14 +59,23 @@ def _first_uncommitted_offset(bootstrap: str, tp: TopicPartition, offset: int) -
             msg = c.poll(0.2)
             if msg is None:
                 continue
-            if msg.error() is not None:
-                if msg.error().code() == KafkaError._PARTITION_EOF:
+            error = msg.error()
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
                     return None
                 continue
-            return int(msg.offset())
+            found = msg.offset()
+            assert found is not None
+            return int(found)
         return None
     finally:
         c.close()
+
+
+def _stored(store: StateStore, tid: str) -> str:
+    row = store.read(tid)
+    assert row is not None
+    return row.prepared_txn_state
 
 
 def _all_offsets(bootstrap: str, tp: TopicPartition) -> list[tuple[int, bytes]]:
@@ -74,14 +83,16 @@ def _all_offsets(bootstrap: str, tp: TopicPartition) -> list[tuple[int, bytes]]:
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": unique("anchor-probe"),
                   "isolation.level": "read_uncommitted", "enable.partition.eof": True,
                   "enable.auto.commit": False, "auto.offset.reset": "earliest"})
-    out = []
+    out: list[tuple[int, bytes]] = []
     try:
         c.assign([CKTopicPartition(tp.topic, tp.partition, 0)])
         while True:
             msg = c.poll(2)
             if msg is None or msg.error() is not None:
                 return out
-            out.append((msg.offset(), msg.key()))
+            offset, key = msg.offset(), msg.key()
+            assert offset is not None and key is not None
+            out.append((offset, key))
     finally:
         c.close()
 
@@ -272,10 +283,10 @@ def test_recover_reports_unreadable_until_acknowledged_then_the_writer_starts(
         assert [(r.transactional_id, r.outcome.value) for r in report.results] == [
             (tid, "outcome-unreadable")]
         assert report.heuristic and "log start" in report.results[0].detail
-        assert store.read(tid).prepared_txn_state == str(state)
+        assert _stored(store, tid) == str(state)
     done = dualwrite.recover(engine, kconf, [tid], timeout_s=20, acknowledge_heuristic=True)
     assert done.ok and done.results[0].outcome is dualwrite.Outcome.ACKNOWLEDGED
-    assert store.read(tid).prepared_txn_state == ""
+    assert _stored(store, tid) == ""
     with DualWriter(engine, kconf, transactional_id=tid, timeout_s=20) as writer, \
             writer.transaction() as tx:
         tx.produce(topic, b"after-ack")

@@ -516,7 +516,9 @@ def test_staging_failures_are_typed(engine: sa.Engine, sink: str) -> None:
     staging.write(sink, 1, "k", [(1, "a")])
     with engine.begin() as conn:
         conn.execute(sa.text(f"DROP TABLE {staging.name}"))
-    for call in (lambda: staging.purge(sink), lambda: staging.discard(sink, 1, "k"),
-                 lambda: staging.count(sink)):
+    calls: list[Callable[[], object]] = [lambda: staging.purge(sink),
+                                         lambda: staging.discard(sink, 1, "k"),
+                                         lambda: staging.count(sink)]
+    for call in calls:
         with pytest.raises(dualwrite.DualWriteError):
             call()

@@ -12,7 +12,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _kafka_helpers import (
+from kafka.errors import KafkaConnectionError
+
+from dualwrite.participant.control_plane import ControlPlane, TransactionDescription, TxnState
+from dualwrite.participant.identifiers import TopicPartition
+from dualwrite.participant.kafka_errors import FatalKafkaError, FencedKafkaError
+from tests._kafka_helpers import (
     ProducerProcess,
     TxnProducer,
     create_topic,
@@ -22,11 +27,6 @@ from _kafka_helpers import (
     unique,
     wait_for,
 )
-from kafka.errors import KafkaConnectionError
-
-from dualwrite.participant.control_plane import ControlPlane, TransactionDescription, TxnState
-from dualwrite.participant.identifiers import TopicPartition
-from dualwrite.participant.kafka_errors import FatalKafkaError, FencedKafkaError
 
 pytestmark = pytest.mark.timeout(120)
 

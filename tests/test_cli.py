@@ -36,7 +36,8 @@ def _command() -> list[str]:
 
 def dw(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("DUALWRITE_DB", "DUALWRITE_BOOTSTRAP_SERVERS")}
+           if k not in ("DUALWRITE_DB", "DUALWRITE_DATABASE_URL",
+                        "DUALWRITE_BOOTSTRAP_SERVERS")}
     return subprocess.run([*_command(), *args], capture_output=True, text=True, timeout=timeout,
                           env=env, check=False)
 

@@ -13,7 +13,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _kafka_helpers import (
+from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
+
+from dualwrite.errors import BrokerUnreachableError
+from dualwrite.participant.control_plane import ControlPlane, TxnState
+from dualwrite.participant.identifiers import TopicPartition
+from dualwrite.participant.kafka_errors import FatalKafkaError, FencedKafkaError
+from tests._kafka_helpers import (
     TxnProducer,
     create_topic,
     first_offsets,
@@ -21,12 +27,6 @@ from _kafka_helpers import (
     unique,
     wait_for,
 )
-from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
-
-from dualwrite.errors import BrokerUnreachableError
-from dualwrite.participant.control_plane import ControlPlane, TxnState
-from dualwrite.participant.identifiers import TopicPartition
-from dualwrite.participant.kafka_errors import FatalKafkaError, FencedKafkaError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -267,8 +267,10 @@ def read_committed_keys(bootstrap: str, topic: str, timeout_s: float = 30.0) -> 
             msg = consumer.poll(0.2)
             if msg is not None and msg.error() is None:
                 keys.append((msg.key() or b"").decode())
-            elif msg is not None and msg.error().code() != KafkaError._PARTITION_EOF:
-                raise AssertionError(f"reading {topic}: {msg.error()}")
+            elif msg is not None:
+                error = msg.error()
+                if error is not None and error.code() != KafkaError._PARTITION_EOF:
+                    raise AssertionError(f"reading {topic}: {error}")
             positions = consumer.position([CKTopicPartition(topic, p) for p in sorted(pending)])
             pending -= {tp.partition for tp in positions if tp.offset >= high[tp.partition]}
         return keys

@@ -75,8 +75,10 @@ def _pg_error(sqlstate: str | None, text: str = "boom", *, invalidated: bool = F
               ) -> sa.exc.DBAPIError:
     orig = (psycopg.errors.lookup(sqlstate)(text) if sqlstate
             else psycopg.OperationalError(text))
-    return sa.exc.DBAPIError.instance("SELECT 1", None, orig, psycopg.Error,
-                                      connection_invalidated=invalidated)
+    error = sa.exc.DBAPIError.instance("SELECT 1", None, orig, psycopg.Error,
+                                       connection_invalidated=invalidated)
+    assert isinstance(error, sa.exc.DBAPIError)
+    return error
 
 
 @pytest.mark.parametrize(("sqlstate", "invalidated", "expected"), [
@@ -232,7 +234,7 @@ def test_session_terminated_while_idle_and_its_replacement_too(
     assert held is not None
     _kill_backend(db_url, _backend_pid(held))
     import dualwrite.writer.dual_writer as recipe
-    real_connect = recipe.writer_connection
+    real_connect = recipe.writer_connection  # type: ignore[attr-defined]
     replaced: list[int] = []
 
     def connect_then_kill(engine_: sa.Engine) -> sa.Connection:

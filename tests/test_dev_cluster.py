@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from confluent_kafka import Consumer, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, ConfigResource
+from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 
 from dualwrite.dev import (
     DEFAULT_KAFKA_VERSION,

@@ -101,7 +101,7 @@ def test_connection_cut_mid_produce_flush_and_endtxn(cluster: Any, proxy: TcpPro
     tid = unique("cut")
     with DualWriter(url, _config(cluster), transactional_id=tid, timeout_s=8) as writer:
 
-        def write(key: str, fault: Callable[[], None]) -> None:
+        def write(key: str, fault: Callable[[], object]) -> None:
             with writer.transaction() as tx:
                 tx.produce(topic, key.encode(), key=key)
                 fault()
@@ -109,8 +109,11 @@ def test_connection_cut_mid_produce_flush_and_endtxn(cluster: Any, proxy: TcpPro
                 tx.connection.execute(sa.insert(table).values(id=key))
 
         _typed(lambda: write("produce", proxy.cut), seen)
-        _typed(lambda: write("flush", lambda: (proxy.blackhole(), threading.Timer(
-            4.0, proxy.release).start())), seen)
+        def hold_for_4s() -> None:
+            proxy.blackhole()
+            threading.Timer(4.0, proxy.release).start()
+
+        _typed(lambda: write("flush", hold_for_4s), seen)
         time.sleep(4.5)
         proxy.drop_next_response(kafka_api(26))
         _typed(lambda: write("endtxn", proxy.cut), seen)

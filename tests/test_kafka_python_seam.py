@@ -13,7 +13,6 @@ from typing import Any
 
 import kafka
 import pytest
-from _kafka_helpers import prepare_open, unique
 from kafka import KafkaAdminClient
 from kafka.protocol.admin.transactions import DescribeTransactionsRequest
 from kafka.protocol.metadata import ApiVersionsRequest, CoordinatorType, FindCoordinatorRequest
@@ -22,6 +21,7 @@ import dualwrite.participant._kafka_python_seam as seam
 from dualwrite.errors import FatalError
 from dualwrite.participant.kafka_errors import raise_for_code
 from dualwrite.participant.prepared_state import PreparedTxnState
+from tests._kafka_helpers import prepare_open, unique
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -98,6 +98,7 @@ def prepared_elsewhere(producers: Any, topic: str, values: list[str], **override
     state = p.prepare_transaction()
     assert not state.is_empty
     p.close()
+    assert isinstance(state, PreparedTxnState)
     return state
 
 

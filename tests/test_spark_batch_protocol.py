@@ -15,8 +15,9 @@ import sqlalchemy as sa
 from dualwrite.batch.decision_log import DecisionLog
 from dualwrite.participant.control_plane import ControlPlane
 from tests._kafka_helpers import read_committed, unique
+from tests._spark_helpers import Pipeline, batches
 from tests.test_batch_coordinator import encoded, open_in_pool, prepare
-from tests.test_spark_sink import Pipeline, batches, pipeline  # noqa: F401 (fixture)
+from tests.test_spark_sink import pipeline  # noqa: F401 (fixture)
 
 pytest.importorskip("pyspark", reason="the Spark sink needs dualwrite[spark]")
 

@@ -213,7 +213,7 @@ def test_check_schema_rejects_an_unknown_revision(engine: sa.Engine) -> None:
 
 def _create_state_table_as_the_application(engine: sa.Engine, *, revision: str) -> None:
     """The state table as docs/sql.md tells an application to create it (0001 or 0003)."""
-    columns = [
+    columns: list[sa.Column[Any]] = [
         sa.Column("transactional_id", sa.String(255), primary_key=True),
         sa.Column("prepared_txn_state", sa.String(255), nullable=False, server_default=""),
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),

@@ -1,4 +1,5 @@
-"""``dualwrite dev up|status|down``: a detached local Kafka cluster for development."""
+"""``dualwrite dev up|status|down|create-topic``: a detached local Kafka cluster (and, with
+``--postgres``, a PostgreSQL server) for development."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import click
 
 from dualwrite.dev._util import DevClusterError, dualwrite_home, pid_alive, port_open
 from dualwrite.dev.kafka_cluster import DEFAULT_KAFKA_VERSION, Backend, LocalKafkaCluster
+from dualwrite.dev.postgres_cluster import LocalPostgres
 from dualwrite.dev.security import application_acls
 
-__all__ = ["dev", "state_file"]
+__all__ = ["dev", "postgres_state_file", "state_file"]
 
 TWO_PC_CONFIG = {
     "transaction.two.phase.commit.enable": "true",
@@ -25,6 +27,31 @@ TWO_PC_CONFIG = {
 def state_file() -> Path:
     """Where ``dev up`` records the running cluster: ``$DUALWRITE_HOME/dev/cluster.json``."""
     return dualwrite_home() / "dev" / "cluster.json"
+
+
+def postgres_state_file() -> Path:
+    """Where ``dev up --postgres`` records its server: ``$DUALWRITE_HOME/dev/postgres.json``."""
+    return dualwrite_home() / "dev" / "postgres.json"
+
+
+def _load_postgres() -> LocalPostgres | None:
+    path = postgres_state_file()
+    if not path.exists():
+        return None
+    try:
+        return LocalPostgres.from_state(path)
+    except (ValueError, KeyError, TypeError) as e:
+        raise click.ClickException(
+            f"cannot read {path} ({e}); stop the server by hand and delete the file"
+        ) from e
+
+
+def _parse_topic(value: str) -> tuple[str, int]:
+    name, _, partitions = value.partition(":")
+    if not name or (partitions and not partitions.isdigit()):
+        raise click.BadParameter(f"expected NAME or NAME:PARTITIONS, got {value!r}",
+                                 param_hint="--topic")
+    return name, int(partitions or 3)
 
 
 def _node_status(cluster: LocalKafkaCluster) -> list[dict[str, Any]]:
@@ -96,6 +123,10 @@ def dev(verbose: bool) -> None:
     help="With --security sasl: the application's topics and transactional ids start with "
     "PREFIX (default: any name).",
 )  # fmt: skip
+@click.option("--postgres", is_flag=True,
+              help="Also start a local PostgreSQL server and print DUALWRITE_DATABASE_URL.")
+@click.option("--topic", "topics", multiple=True, metavar="NAME[:PARTITIONS]",
+              help="Create this topic once the brokers are up (3 partitions by default).")
 @click.option("--json", "as_json", is_flag=True, help="Print the cluster state as JSON.")
 def up(
     brokers: str,
@@ -106,16 +137,23 @@ def up(
     timeout: float,
     security: str,
     acl_prefix: str,
+    postgres: bool,
+    topics: tuple[str, ...],
     as_json: bool,
 ) -> None:
-    """Start a detached cluster and print its bootstrap address."""
+    """Start a detached cluster and print its bootstrap address (and the exports to use)."""
+    wanted_topics = [_parse_topic(t) for t in topics]
     existing = _load()
     if existing is not None:
-        if any(row["process"] for row in _node_status(existing)):
-            raise click.ClickException(
-                f"a dev cluster is already running at {existing.bootstrap_servers}; "
-                "run `dualwrite dev down` first"
-            )
+        if all(row["process"] for row in _node_status(existing)):
+            same = (existing.brokers == int(brokers) and existing.kafka_version == kafka_version
+                    and bool(existing.security_state()) == (security == "sasl"))
+            if not same:
+                raise click.ClickException(
+                    f"a different dev cluster is already running at "
+                    f"{existing.bootstrap_servers}; run `dualwrite dev down` first")
+            _reuse(existing, wanted_topics, postgres, as_json)
+            return
         existing.stop()  # stale state: clean up what is left
         state_file().unlink(missing_ok=True)
     extra = dict(TWO_PC_CONFIG) if two_pc else {}
@@ -134,28 +172,92 @@ def up(
         startup_timeout=timeout,
         security="sasl" if security == "sasl" else "none",
     )
+    server: LocalPostgres | None = None
     try:
         cluster.start()
         if security == "sasl" and cluster.secrets is not None:
             cluster.create_acls(application_acls(
                 cluster.secrets.app.principal, topic_prefix=acl_prefix,
                 transactional_id_prefix=acl_prefix))
+        for name, partitions in wanted_topics:
+            cluster.create_topic(name, partitions)
+        if postgres:
+            _stop_stale_postgres()
+            server = LocalPostgres(detach=True)
+            server.start()
     except BaseException as e:
         if cluster.nodes:
             cluster.stop()
+        if server is not None:
+            server.stop()
         if isinstance(e, DevClusterError):
             raise click.ClickException(str(e)) from e
         raise
     cluster.save_state(state_file())
+    if server is not None:
+        server.save_state(postgres_state_file())
     if as_json:
-        click.echo(json.dumps(_json_state(cluster), indent=2))
+        state = _json_state(cluster)
+        state["topics"] = [name for name, _ in wanted_topics]
+        state["database_url"] = server.url if server is not None else None
+        click.echo(json.dumps(state, indent=2))
         return
     click.echo(
         f"Kafka {kafka_version} ({brokers} broker(s), {cluster.backend} backend) is up at "
         f"{_bootstrap(cluster)}"
     )
+    for name, partitions in wanted_topics:
+        click.echo(f"  topic {name} ({partitions} partitions)")
+    _echo_security(cluster)
+    if server is not None:
+        click.echo(f"PostgreSQL ({server.backend} backend) is up at {server.url}")
+    click.echo(f"export DUALWRITE_BOOTSTRAP_SERVERS={_bootstrap(cluster)}")
+    if server is not None:
+        click.echo(f"export DUALWRITE_DATABASE_URL={server.url}")
+
+
+def _reuse(cluster: LocalKafkaCluster, topics: list[tuple[str, int]], postgres: bool,
+           as_json: bool) -> None:
+    """``dev up`` while the same cluster runs: create missing topics, start PostgreSQL if asked
+    and not running, and print the same exports (so a README's `eval "$(dev up …)"` can run
+    twice)."""
+    from confluent_kafka.admin import AdminClient
+
+    listed = AdminClient({"bootstrap.servers": cluster.bootstrap_servers}).list_topics(
+        timeout=10).topics
+    try:
+        for name, partitions in topics:
+            if name not in listed:
+                cluster.create_topic(name, partitions)
+    except DevClusterError as e:
+        raise click.ClickException(str(e)) from e
+    server = _load_postgres()
+    if postgres and (server is None or not server.running()):
+        _stop_stale_postgres()
+        server = LocalPostgres(detach=True)
+        try:
+            server.start()
+        except DevClusterError as e:
+            raise click.ClickException(str(e)) from e
+        server.save_state(postgres_state_file())
+    if as_json:
+        state = _json_state(cluster)
+        state["topics"] = [name for name, _ in topics]
+        state["database_url"] = server.url if server is not None else None
+        click.echo(json.dumps(state, indent=2))
+        return
+    click.echo(f"Kafka {cluster.kafka_version} is already running at {_bootstrap(cluster)}")
     _echo_security(cluster)
     click.echo(f"export DUALWRITE_BOOTSTRAP_SERVERS={_bootstrap(cluster)}")
+    if server is not None:
+        click.echo(f"export DUALWRITE_DATABASE_URL={server.url}")
+
+
+def _stop_stale_postgres() -> None:
+    existing = _load_postgres()
+    if existing is not None:
+        existing.stop()
+        postgres_state_file().unlink(missing_ok=True)
 
 
 def _json_state(cluster: LocalKafkaCluster) -> dict[str, Any]:
@@ -214,6 +316,11 @@ def status(as_json: bool) -> None:
             where = f"pid {r['pid']}" if r["pid"] is not None else f"container {r['container']}"
             state_text = "up" if r["process"] and r["port_open"] else "DOWN"
             click.echo(f"  node {r['node_id']} {r['address']} ({where}): {state_text}")
+    server = _load_postgres()
+    if server is not None and not as_json:
+        click.echo(f"PostgreSQL at {server.url}: {'up' if server.running() else 'DOWN'}")
+    if server is not None and not server.running():
+        sys.exit(1)
     if up_count == len(rows):
         sys.exit(0)
     sys.exit(1 if up_count else 3)
@@ -222,7 +329,13 @@ def status(as_json: bool) -> None:
 @dev.command()
 @click.option("--keep-data", is_flag=True, help="Keep the broker data directories.")
 def down(keep_data: bool) -> None:
-    """Stop the dev cluster (SIGTERM, then SIGKILL) and remove its data."""
+    """Stop the dev cluster (SIGTERM, then SIGKILL) and its PostgreSQL; remove their data."""
+    server = _load_postgres()
+    if server is not None:
+        where_db = server.url
+        server.stop()
+        postgres_state_file().unlink(missing_ok=True)
+        click.echo(f"stopped the dev PostgreSQL at {where_db}")
     cluster = _load()
     if cluster is None:
         click.echo("no dev cluster is running")
@@ -231,3 +344,20 @@ def down(keep_data: bool) -> None:
     cluster.stop(keep_data=keep_data)
     state_file().unlink(missing_ok=True)
     click.echo(f"stopped the dev cluster at {where}")
+
+
+@dev.command(name="create-topic")
+@click.argument("name")
+@click.option("--partitions", type=click.IntRange(1, 10_000), default=3, show_default=True)
+def create_topic_command(name: str, partitions: int) -> None:
+    """Create a topic on the running dev cluster (its brokers do not create topics on use)."""
+    cluster = _load()
+    if cluster is None:
+        raise click.ClickException("no dev cluster is running (start one with `dualwrite dev up`)")
+    try:
+        cluster.create_topic(name, partitions)
+    except DevClusterError as e:
+        raise click.ClickException(str(e)) from e
+    except Exception as e:  # confluent-kafka's KafkaException, e.g. TOPIC_ALREADY_EXISTS
+        raise click.ClickException(f"cannot create topic {name!r}: {e}") from e
+    click.echo(f"created topic {name} ({partitions} partitions) at {_bootstrap(cluster)}")

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import logging
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -26,7 +28,9 @@ from dualwrite.dev._util import (
     choose_backend,
     free_ports,
     parent_death_signal,
+    pid_alive,
     tail,
+    terminate_pid,
 )
 
 __all__ = ["DEFAULT_SETTINGS", "LocalPostgres", "find_postgres_bindir"]
@@ -104,7 +108,9 @@ def _server_user() -> pwd.struct_passwd | None:
 class LocalPostgres(LocalServer):
     """Start and stop a PostgreSQL server with database ``dualwrite`` owned by user ``dualwrite``.
 
-    Authentication is ``trust`` on 127.0.0.1 only; the server exists for tests.
+    Authentication is ``trust`` on 127.0.0.1 only; the server exists for tests. With
+    ``detach=True`` (``dualwrite dev up --postgres``) the server outlives this process;
+    :meth:`save_state` and :meth:`from_state` let another process find and stop it.
     """
 
     def __init__(
@@ -114,6 +120,7 @@ class LocalPostgres(LocalServer):
         settings: Mapping[str, str] | None = None,
         backend: PgBackend = "auto",
         startup_timeout: float = 60.0,
+        detach: bool = False,
     ) -> None:
         if backend not in ("auto", "binaries", "docker"):
             raise ValueError(f"backend must be 'auto', 'binaries' or 'docker', not {backend!r}")
@@ -127,6 +134,9 @@ class LocalPostgres(LocalServer):
         self._proc: subprocess.Popen[bytes] | None = None
         self._container: str | None = None
         self._url: str | None = None
+        self.detach = detach
+        self.pid: int | None = None
+        """The server's process id (binaries backend), also for a handle from :meth:`from_state`."""
 
     def __repr__(self) -> str:
         backend = self.backend or self.requested_backend
@@ -178,6 +188,9 @@ class LocalPostgres(LocalServer):
                     self._proc.kill()
                     self._proc.wait(timeout=10)
             self._proc = None
+        elif self.pid is not None:  # a detached server another process started
+            terminate_pid(self.pid, 30, "postgres", sig=signal.SIGINT)
+        self.pid = None
         if self.data_dir is not None and self.backend == "binaries":
             target = self.data_dir if self._given_data_dir is None else self.data_dir / "pgdata"
             shutil.rmtree(target, ignore_errors=True)
@@ -196,6 +209,46 @@ class LocalPostgres(LocalServer):
             return ""
         path = self.data_dir / "postgres.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+    def running(self) -> bool:
+        """Whether the server process (or container) is alive."""
+        if self._container is not None:
+            result = subprocess.run(["docker", "inspect", "-f", "{{.State.Running}}",
+                                     self._container], capture_output=True, text=True,
+                                    check=False)
+            return result.stdout.strip() == "true"
+        return self.pid is not None and pid_alive(self.pid, "postgres")
+
+    # -- state for detached servers ---------------------------------------------------------
+
+    def save_state(self, path: Path) -> None:
+        """Record this server as JSON in ``path`` (atomically), for :meth:`from_state`."""
+        state = {"backend": self.backend, "url": self._url, "port": self.port, "pid": self.pid,
+                 "container": self._container,
+                 "data_dir": str(self.data_dir) if self.data_dir else None,
+                 "owns_data_dir": self._given_data_dir is None}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+        tmp.replace(path)
+
+    @classmethod
+    def from_state(cls, path: Path) -> LocalPostgres:
+        """A handle on a server another process started and recorded with :meth:`save_state`."""
+        state = json.loads(path.read_text(encoding="utf-8"))
+        data_dir = Path(state["data_dir"]) if state.get("data_dir") else None
+        server = cls(None if state.get("owns_data_dir", True) else data_dir,
+                     backend=state["backend"], detach=True)
+        server._restore(state, data_dir)
+        return server
+
+    def _restore(self, state: Mapping[str, Any], data_dir: Path | None) -> None:
+        self.backend = state["backend"]
+        self.data_dir = data_dir
+        self.port = state.get("port")
+        self.pid = state.get("pid")
+        self._container = state.get("container")
+        self._url = state.get("url")
 
     # -- internals -------------------------------------------------------------------------
 
@@ -246,8 +299,10 @@ class LocalPostgres(LocalServer):
             self._proc = subprocess.Popen(
                 [str(bindir / "postgres"), "-D", str(pgdata)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=parent_death_signal(), **run_as,
+                start_new_session=True,
+                preexec_fn=None if self.detach else parent_death_signal(), **run_as,
             )  # fmt: skip
+        self.pid = self._proc.pid
         self._url = f"postgresql+psycopg://{USER}@127.0.0.1:{self.port}/{DATABASE}"
         self._wait_for_server(
             f"host=127.0.0.1 port={self.port} user={USER} dbname=postgres",
