@@ -239,10 +239,11 @@ class LocalPostgres(LocalServer):
         data_dir = Path(state["data_dir"]) if state.get("data_dir") else None
         server = cls(None if state.get("owns_data_dir", True) else data_dir,
                      backend=state["backend"], detach=True)
-        server._restore(state, data_dir)
+        server.attach(state, data_dir)
         return server
 
-    def _restore(self, state: Mapping[str, Any], data_dir: Path | None) -> None:
+    def attach(self, state: Mapping[str, Any], data_dir: Path | None) -> None:
+        """Point this (unstarted) handle at the server ``state`` describes (:meth:`save_state`)."""
         self.backend = state["backend"]
         self.data_dir = data_dir
         self.port = state.get("port")
