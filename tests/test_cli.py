@@ -69,6 +69,26 @@ def test_help_lists_commands() -> None:
     assert dw("no-such-command").returncode == 2
 
 
+def test_database_url_from_the_environment(tmp_path: Path) -> None:
+    """DUALWRITE_DATABASE_URL is the name (docker-compose.yml and `dev up` export it); the old
+    DUALWRITE_DB still works, with a deprecation warning; --db wins over both."""
+    url = f"sqlite:///{tmp_path / 'env.db'}"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DUALWRITE_D")}
+
+    def upgrade(**env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*_command(), "db", "upgrade"], capture_output=True, text=True,
+                              timeout=60, env={**base, **env}, check=False)
+
+    current = upgrade(DUALWRITE_DATABASE_URL=url)
+    assert current.returncode == 0 and "is at revision" in current.stdout, current.stderr
+    assert "deprecated" not in current.stderr
+    old = upgrade(DUALWRITE_DB=url)
+    assert old.returncode == 0 and "is at revision" in old.stdout, old.stderr
+    assert "DUALWRITE_DB is deprecated; set DUALWRITE_DATABASE_URL" in old.stderr
+    missing = upgrade()
+    assert missing.returncode == 2 and "--db" in missing.stderr
+
+
 def test_db_upgrade_sqlite(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     result = dw("db", "upgrade", "--db", url)
