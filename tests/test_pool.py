@@ -1,0 +1,288 @@
+"""DualWriterPool (many requests at once, group commit) against a real broker and databases.
+
+The invariant of every test: the rows committed in the database are exactly the records a
+read_committed consumer sees, each once — per request, also when requests share a transaction.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+import dualwrite
+from dualwrite import DualWriterPool, ProducerFencedError, TwoPhaseProducer
+from tests._kafka_helpers import read_committed, unique
+
+pytestmark = pytest.mark.timeout(180)
+
+WORKER = Path(__file__).with_name("pool_worker.py")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def db_url(empty_db_url: str) -> str:
+    """An empty database with dualwrite's tables and the application table ``pool_rows``."""
+    dualwrite.upgrade_database(empty_db_url)
+    engine = dualwrite.create_engine(empty_db_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE pool_rows (value VARCHAR(100) PRIMARY KEY)")
+    engine.dispose()
+    return empty_db_url
+
+
+def insert(conn: sa.Connection, value: str) -> None:
+    conn.execute(sa.text("INSERT INTO pool_rows (value) VALUES (:v)"), {"v": value})
+
+
+def rows(engine: sa.Engine) -> list[str]:
+    with engine.connect() as conn:
+        return [r[0] for r in conn.exec_driver_sql("SELECT value FROM pool_rows")]
+
+
+def assert_invariant(engine: sa.Engine, bootstrap: str, topic: str) -> set[str]:
+    """Rows == read_committed records, each once; the rows."""
+    records = [r.decode() for r in read_committed(bootstrap, topic)]
+    counts = Counter(records)
+    assert [v for v, n in counts.items() if n > 1] == []
+    in_db = rows(engine)
+    assert sorted(in_db) == sorted(records)
+    return set(in_db)
+
+
+class Boom(Exception):
+    """The application's own failure inside a request."""
+
+
+@pytest.mark.parametrize("group_commit", [True, False], ids=["group", "single"])
+def test_concurrent_requests_are_atomic_each_and_a_failing_one_alone_rolls_back(
+        engine: sa.Engine, bootstrap: str, topic: str, group_commit: bool) -> None:
+    """12 threads over 2 writers; every 4th request raises after writing and producing: its
+    row and record never appear, the requests grouped with it commit."""
+    pool = DualWriterPool(engine, {"bootstrap.servers": bootstrap}, id_prefix=unique("pool"),
+                          size=2, group_commit=group_commit, timeout_s=20)
+    states: dict[str, str] = {}
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        for n in range(6):
+            value = f"c{i}-{n}"
+            try:
+                with pool.transaction() as tx:
+                    insert(tx.connection, value)
+                    tx.produce(topic, value, value)
+                    time.sleep(0.005)  # requests pile up: groups form
+                    if n % 4 == 3:
+                        raise Boom(value)
+            except Boom:
+                continue
+            except BaseException as exc:
+                errors.append(exc)
+                return
+            with lock:
+                states[value] = str(tx.state)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    pool.close()
+    assert errors == []
+    committed = assert_invariant(engine, bootstrap, topic)
+    assert committed == set(states)
+    assert len(committed) == 12 * 5  # n = 3 failed in each thread
+    shared = Counter(states.values())
+    if group_commit:
+        assert max(shared.values()) > 1, "no two requests shared a transaction"
+    else:
+        assert max(shared.values()) == 1
+
+
+def test_a_failing_statement_in_a_group_rolls_back_its_request_alone(
+        engine: sa.Engine, bootstrap: str, topic: str) -> None:
+    """A request whose own statement fails (duplicate key) inside a group is rolled back alone
+    (its savepoint): the transaction goes on for the others."""
+    pool = DualWriterPool(engine, {"bootstrap.servers": bootstrap}, id_prefix=unique("pool"),
+                          size=1, group_commit=True, timeout_s=20)
+    try:
+        with pool.transaction() as tx:
+            insert(tx.connection, "dup")
+            tx.produce(topic, "dup", "dup")
+        outcomes: dict[int, str] = {}
+        go = threading.Barrier(8)
+
+        def client(i: int) -> None:
+            go.wait()
+            value = "dup" if i % 2 else f"fresh-{i}"
+            try:
+                with pool.transaction() as tx:
+                    tx.produce(topic, value, value)
+                    insert(tx.connection, value)
+                outcomes[i] = "ok"
+            except sa.exc.IntegrityError:
+                outcomes[i] = "duplicate"
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert outcomes == {i: "duplicate" if i % 2 else "ok" for i in range(8)}
+    finally:
+        pool.close()
+    assert assert_invariant(engine, bootstrap, topic) == {"dup", "fresh-0", "fresh-2",
+                                                          "fresh-4", "fresh-6"}
+
+
+@pytest.mark.parametrize("group_commit", [True, False], ids=["group", "single"])
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_a_fenced_writer_is_replaced_not_handed_to_the_next_request(
+        engine: sa.Engine, bootstrap: str, topic: str, group_commit: bool) -> None:
+    prefix = unique("pool")
+    pool = DualWriterPool(engine, {"bootstrap.servers": bootstrap}, id_prefix=prefix, size=1,
+                          group_commit=group_commit, timeout_s=20)
+    try:
+        with pool.transaction() as tx:
+            insert(tx.connection, "before")
+            tx.produce(topic, "before", "before")
+        # Another producer of the id takes over (as a misconfigured process would).
+        usurper = TwoPhaseProducer({"bootstrap.servers": bootstrap,
+                                    "transactional.id": f"{prefix}-0"}, timeout_s=20)
+        usurper.init_transactions()
+        usurper.close()
+        with pytest.raises(ProducerFencedError):
+            with pool.transaction() as tx:
+                tx.produce(topic, "fenced", "fenced")
+                insert(tx.connection, "fenced")
+        for value in ("after-1", "after-2"):
+            with pool.transaction() as tx:
+                tx.produce(topic, value, value)
+                insert(tx.connection, value)
+    finally:
+        pool.close()
+    assert assert_invariant(engine, bootstrap, topic) == {"before", "after-1", "after-2"}
+
+
+def test_close_leaves_nothing_open_and_frees_the_ids(engine: sa.Engine, bootstrap: str,
+                                                     topic: str) -> None:
+    prefix = unique("pool")
+    kafka = {"bootstrap.servers": bootstrap}
+    pool = DualWriterPool(engine, kafka, id_prefix=prefix, size=3)
+    assert pool.transactional_ids == [f"{prefix}-{n}" for n in range(3)]
+    for n in range(5):
+        with pool.transaction() as tx:
+            tx.produce(topic, f"v{n}", f"v{n}")
+            insert(tx.connection, f"v{n}")
+    pool.close()
+    pool.close()  # idempotent
+    report = dualwrite.status(engine, kafka, prefix=prefix)
+    mine = [r for r in report.rows if r.transactional_id.startswith(prefix)]
+    assert [(r.state, r.in_doubt) for r in mine] == [("", False)] * 3
+    assert all(r.broker is None or not r.broker.state.in_flight for r in mine)
+    assert report.hanging == ()
+    again = DualWriterPool(engine, kafka, id_prefix=prefix, size=3)  # the same ids are free
+    assert again.transactional_ids == pool.transactional_ids
+    again.close()
+    assert_invariant(engine, bootstrap, topic)
+
+
+def _worker(db_url: str, bootstrap: str, topic: str, prefix: str, *extra: str
+            ) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), "--db", db_url, "--bootstrap", bootstrap, "--topic", topic,
+         "--prefix", prefix, *extra],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def _read_ids(proc: subprocess.Popen[str]) -> list[str]:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("IDS "), line
+    return line.split()[1:]
+
+
+def test_two_pools_in_two_processes_take_different_ids(db_url: str, engine: sa.Engine,
+                                                       bootstrap: str, topic: str) -> None:
+    prefix = unique("pool")
+    other = _worker(db_url, bootstrap, topic, prefix, "--size", "3", "--ids-only")
+    try:
+        theirs = _read_ids(other)
+        pool = DualWriterPool(engine, {"bootstrap.servers": bootstrap}, id_prefix=prefix,
+                              size=3)
+        ours = pool.transactional_ids
+        assert theirs == [f"{prefix}-{n}" for n in range(3)]
+        assert ours == [f"{prefix}-{n}" for n in range(3, 6)]
+        with pool.transaction() as tx:
+            tx.produce(topic, "ours", "ours")
+            insert(tx.connection, "ours")
+        pool.close()
+    finally:
+        assert other.stdin is not None
+        other.stdin.write("\n")
+        other.stdin.flush()
+        assert other.wait(60) == 0
+    assert assert_invariant(engine, bootstrap, topic) == {"ours"}
+
+
+@pytest.fixture
+def killed() -> Iterator[list[subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_sigkill_with_decided_groups_in_flight_then_recover(
+        db_url: str, engine: sa.Engine, bootstrap: str, topic: str,
+        killed: list[subprocess.Popen[str]]) -> None:
+    """16 threads over 2 writers with group commit; once 60 requests returned, every writer
+    stops after its group's database COMMIT; SIGKILL. ``dualwrite recover`` finishes the groups
+    (each with several requests): every committed row's record appears once, every returned
+    request is among them; then a new pool with the prefix takes the ids and serves again."""
+    prefix = unique("pool")
+    proc = _worker(db_url, bootstrap, topic, prefix, "--size", "2", "--threads", "16",
+                   "--block-after", "60")
+    killed.append(proc)
+    assert _read_ids(proc) == [f"{prefix}-0", f"{prefix}-1"]
+    returned: list[tuple[str, str]] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("AT "):
+            break
+        _, value, state = line.split()
+        returned.append((value, state))
+    time.sleep(1.0)  # let the other writer reach its COMMIT too
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert max(Counter(s for _, s in returned).values()) > 1, "no group of several requests"
+    in_doubt = [r for r in dualwrite.status(engine, {"bootstrap.servers": bootstrap},
+                                            prefix=prefix).rows if r.in_doubt]
+    assert in_doubt, "no decided group was left for recovery"
+    decided = len(rows(engine))
+    report = dualwrite.recover(engine, {"bootstrap.servers": bootstrap})
+    assert report.ok, report.as_dict()
+    committed = assert_invariant(engine, bootstrap, topic)
+    assert {v for v, _ in returned} <= committed
+    assert len(committed) == decided > len(returned)  # the decided, unreturned groups too
+    pool = DualWriterPool(engine, {"bootstrap.servers": bootstrap}, id_prefix=prefix, size=2)
+    assert pool.transactional_ids == [f"{prefix}-0", f"{prefix}-1"]
+    with pool.transaction() as tx:
+        tx.produce(topic, "after", "after")
+        insert(tx.connection, "after")
+    pool.close()
+    assert assert_invariant(engine, bootstrap, topic) == committed | {"after"}
