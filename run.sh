@@ -69,6 +69,10 @@ case "$cmd" in
             shift
             exec "$VENV/bin/python" bench/bench_spark.py "$@"
         fi
+        if [ "${1:-}" = service ]; then
+            shift
+            exec "$VENV/bin/python" bench/bench_service.py "$@"
+        fi
         exec "$VENV/bin/python" bench/bench_dual_write.py "$@" ;;
     *)
         sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'

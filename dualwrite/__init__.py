@@ -22,6 +22,8 @@ from dualwrite.recovery import (
     status,
 )
 from dualwrite.writer import (
+    AsyncDualWriterPool,
+    AsyncTransaction,
     DualWriter,
     DualWriterPool,
     DualWriteTransaction,
@@ -31,6 +33,8 @@ from dualwrite.writer import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncDualWriterPool",
+    "AsyncTransaction",
     "DualWriteTransaction",
     "DualWriter",
     "DualWriterPool",

@@ -8,10 +8,19 @@ it writes with the application's rows; ``Leases`` say which writer may end an id
 
 from dualwrite.writer.dual_writer import DualWriter, DualWriteTransaction, PhaseHooks
 from dualwrite.writer.lease import Leases
-from dualwrite.writer.pool import DualWriterPool, GroupedTransaction
+from dualwrite.writer.pool import (
+    AsyncConnection,
+    AsyncDualWriterPool,
+    AsyncTransaction,
+    DualWriterPool,
+    GroupedTransaction,
+)
 from dualwrite.writer.state_store import StateRow, StateStore
 
 __all__ = [
+    "AsyncConnection",
+    "AsyncDualWriterPool",
+    "AsyncTransaction",
     "DualWriteTransaction",
     "DualWriter",
     "DualWriterPool",

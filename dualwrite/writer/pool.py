@@ -21,6 +21,7 @@ recover`` finds them all too (every id that ever ran has a state row).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -29,10 +30,10 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
@@ -63,7 +64,18 @@ from dualwrite.writer.dual_writer import (
 )
 from dualwrite.writer.state_store import StateStore
 
-__all__ = ["DualWriterPool", "GroupedTransaction"]
+if TYPE_CHECKING:  # importing it at run time needs greenlet, which dualwrite does not
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+__all__ = [
+    "AsyncConnection",
+    "AsyncDualWriterPool",
+    "AsyncTransaction",
+    "DualWriterPool",
+    "GroupedTransaction",
+    "breaks_writer",
+    "sync_engine_for",
+]
 
 log = logging.getLogger(__name__)
 
@@ -243,16 +255,25 @@ class GroupedTransaction:
 class _Request:
     """One request waiting for, running in, or waiting on the outcome of a group."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[], None] | None = None) -> None:
         self.lock = threading.Lock()
         self.turn = threading.Event()
-        self.body_done = threading.Event()
+        self.work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        """What the writer's thread runs for the request's block (the async pool's statements);
+        None: the block has ended."""
         self.done = threading.Event()
+        self.on_change = on_change
+        """Called (in the writer's thread) after ``turn`` or ``done`` is set."""
         self.handle: GroupedTransaction | None = None
         self.body_error: BaseException | None = None
         self.error: BaseException | None = None
         self.abandoned = False
         self.taken = False
+
+    def signal(self, event: threading.Event) -> None:
+        event.set()
+        if self.on_change is not None:
+            self.on_change()
 
     def take(self) -> bool:
         """The driver takes the request into its group; False if its caller gave up waiting."""
@@ -525,18 +546,47 @@ class DualWriterPool:
     # -- group commit ------------------------------------------------------------------------
 
     @contextmanager
-    def _grouped(self) -> Iterator[GroupedTransaction]:
+    def _admitted(self) -> Iterator[None]:
+        """Counts a request in (refused once closed): :meth:`close` waits for it."""
         with self._lock:
             if self._closed:
                 raise FatalError(f"writer pool {self._prefix} is closed")
             self._busy += 1
         try:
-            with self._request() as handle:
-                yield handle
+            yield
         finally:
             with self._lock:
                 self._busy -= 1
                 self._free_changed.notify_all()
+
+    @contextmanager
+    def _grouped(self) -> Iterator[GroupedTransaction]:
+        with self._admitted(), self._request() as handle:
+            yield handle
+
+    def _run_single(self, req: _Request) -> None:
+        """An async request without group commit, in a thread of the async pool: one writer's
+        transaction whose block runs the request's statements (``req.work``) here."""
+        if not req.take():
+            return
+        tx: DualWriteTransaction | GroupedTransaction | None = None
+        try:
+            with self.transaction() as tx:
+                handle = req.handle = GroupedTransaction(tx.connection)
+                req.signal(req.turn)
+                while (item := req.work.get()) is not None:
+                    item()
+                if req.body_error is not None:
+                    raise req.body_error  # both sides roll back; it reaches the request
+                for topic, value, key, partition, headers in handle.records():
+                    tx.produce(topic, value, key, partition=partition, headers=headers)
+            handle.state = tx.state
+        except BaseException as exc:
+            if exc is not req.body_error:
+                req.error = exc
+        finally:
+            req.signal(req.turn)
+            req.signal(req.done)
 
     @contextmanager
     def _request(self) -> Iterator[GroupedTransaction]:
@@ -553,13 +603,13 @@ class DualWriterPool:
             yield req.handle
         except BaseException as exc:
             req.body_error = exc
-            req.body_done.set()
+            req.work.put(None)
             req.done.wait()
             if req.error is not None and isinstance(req.error, DatabaseUnreachableError) \
                     and req.error.__cause__ is exc:
                 raise req.error from exc  # its own statement lost the database
             raise
-        req.body_done.set()
+        req.work.put(None)
         req.done.wait()
         if req.error is not None:
             raise req.error
@@ -614,8 +664,8 @@ class DualWriterPool:
             if req.handle is not None:
                 req.handle.state = state
             req.error = error
-            req.turn.set()
-            req.done.set()
+            req.signal(req.turn)
+            req.signal(req.done)
         if stop:
             self._requests.put(_STOP)
 
@@ -627,8 +677,9 @@ class DualWriterPool:
         except sa.exc.SQLAlchemyError as exc:
             raise database_error(exc, self._engine.url) from exc
         req.handle = GroupedTransaction(conn)
-        req.turn.set()
-        req.body_done.wait()
+        req.signal(req.turn)
+        while (item := req.work.get()) is not None:
+            item()
         body_error = req.body_error
         try:
             if body_error is None:
@@ -706,3 +757,220 @@ class DualWriterPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# -- asyncio ---------------------------------------------------------------------------------
+
+_T = TypeVar("_T")
+
+
+def sync_engine_for(engine: AsyncEngine | Engine | str | sa.URL) -> Engine:
+    """A dualwrite engine on the database of ``engine``: an async engine's URL with its sync
+    driver (``postgresql+psycopg`` serves both; ``sqlite+aiosqlite`` becomes ``sqlite``)."""
+    if isinstance(engine, Engine):
+        return engine
+    url = sa.make_url(engine) if isinstance(engine, str | sa.URL) else engine.url
+    if url.drivername in ("sqlite+aiosqlite", "sqlite+pysqlite"):
+        url = url.set(drivername="sqlite")
+    elif url.drivername in ("postgresql+asyncpg", "postgresql+psycopg_async"):
+        url = url.set(drivername="postgresql+psycopg")
+    return create_engine(url)
+
+
+class AsyncConnection:
+    """The async face of a request's connection: each call runs the sync SQLAlchemy call in the
+    writer's thread (which holds the connection) and awaits its result there, so no database
+    wait blocks the event loop. Results come back buffered."""
+
+    def __init__(self, run: Callable[[Callable[[Connection], Any]], Any]) -> None:
+        self._run = run
+
+    async def run_sync(self, fn: Callable[..., _T], *args: Any, **kw: Any) -> _T:
+        """``fn(sync_connection, *args, **kw)`` in the writer's thread."""
+        result: _T = await self._run(lambda conn: fn(conn, *args, **kw))
+        return result
+
+    async def execute(self, statement: Any, parameters: Any = None, **kw: Any) -> Any:
+        return await self.run_sync(lambda c: _buffered(c.execute(statement, parameters, **kw)))
+
+    async def exec_driver_sql(self, statement: str, parameters: Any = None, **kw: Any) -> Any:
+        return await self.run_sync(
+            lambda c: _buffered(c.exec_driver_sql(statement, parameters, **kw)))
+
+    async def scalar(self, statement: Any, parameters: Any = None, **kw: Any) -> Any:
+        return await self.run_sync(lambda c: c.scalar(statement, parameters, **kw))
+
+
+def _buffered(result: sa.CursorResult[Any]) -> Any:
+    """Rows fetched in the writer's thread (the caller reads them in the event loop's)."""
+    return result.freeze()() if result.returns_rows else result
+
+
+class AsyncTransaction:
+    """The handle of ``AsyncDualWriterPool.transaction()``: ``await tx.connection.execute(...)``
+    and ``tx.produce(...)`` (kept, and produced once the block ended without an exception)."""
+
+    def __init__(self, run: Callable[[Callable[[Connection], Any]], Any]) -> None:
+        self.connection = AsyncConnection(run)
+        self._records: list[_Record] = []
+        self.state: PreparedTxnState | None = None
+        """The prepared state of the transaction, once it committed."""
+
+    def produce(self, topic: str, value: bytes | str | None = None,
+                key: bytes | str | None = None, *, partition: int | None = None,
+                headers: Headers | None = None) -> None:
+        """Add a record; it becomes visible iff the request's rows commit."""
+        self._records.append((topic, value, key, partition, headers))
+
+    def records(self) -> tuple[_Record, ...]:
+        return tuple(self._records)
+
+
+class AsyncDualWriterPool:
+    """:class:`DualWriterPool` for asyncio: ``async with pool.transaction() as tx:``.
+
+    ``engine``: an async SQLAlchemy engine, an engine, or a URL; dualwrite runs its own sync
+    psycopg (or sqlite3) connections on the same database (:func:`sync_engine_for`). Other
+    keywords as for :class:`DualWriterPool` (``group_commit`` the same).
+
+    Threads, not an async Kafka client or async driver: the recipe's waits (the row lock, the
+    flush, the two commits, the questions after a failure) are the sync ``DualWriter``'s, proven
+    by its crash and fault suites; running them in the writers' threads keeps those guarantees
+    word for word, and librdkafka does its I/O in its own threads anyway (confluent-kafka's
+    asyncio producer is experimental and has no transactions). Each statement of the block runs
+    in the thread that holds the writer's connection; the coroutine awaits it, so no Kafka or
+    database wait blocks the event loop. With ``group_commit`` the writers' threads take the
+    waiting requests as groups (as in the sync pool); without it each request borrows one of
+    ``size`` threads for its transaction.
+
+    The pool starts (claims its ids, finishes what they left in doubt) at ``await
+    pool.start()``, ``async with pool``, or the first request; ``await pool.close()``.
+    """
+
+    def __init__(self, engine: AsyncEngine | Engine | str, kafka_config: Mapping[str, Any],
+                 **kw: Any) -> None:
+        self._engine_arg = engine
+        self._config = dict(kafka_config)
+        self._kw = kw
+        self._size = int(kw.get("size", 16))
+        self._pool: DualWriterPool | None = None
+        self._starting: asyncio.Lock | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    @property
+    def pool(self) -> DualWriterPool:
+        """The sync pool underneath (after start)."""
+        if self._pool is None:
+            raise FatalError("AsyncDualWriterPool is not started")
+        return self._pool
+
+    async def start(self) -> None:
+        if self._pool is not None:
+            return
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self._pool is None:
+                def make() -> DualWriterPool:
+                    return DualWriterPool(sync_engine_for(self._engine_arg), self._config,
+                                          **self._kw)
+                self._pool = await asyncio.to_thread(make)
+                if not self._pool.group_commit:
+                    self._executor = ThreadPoolExecutor(
+                        self._size, thread_name_prefix="dualwrite-async-pool")
+
+    async def __aenter__(self) -> AsyncDualWriterPool:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await asyncio.to_thread(pool.close)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncTransaction]:
+        """One request, atomic on both sides (see :class:`DualWriterPool`)."""
+        await self.start()
+        pool = self.pool
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(changed.set)
+
+        req = _Request(on_change=wake)
+
+        async def run(fn: Callable[[Connection], Any]) -> Any:
+            handle = req.handle
+            assert handle is not None
+            future: asyncio.Future[Any] = loop.create_future()
+
+            def item() -> None:  # in the writer's thread
+                try:
+                    value = fn(handle.connection)
+                except BaseException as exc:
+                    loop.call_soon_threadsafe(_settle, future, None, exc)
+                else:
+                    loop.call_soon_threadsafe(_settle, future, value, None)
+
+            req.work.put(item)
+            return await future
+
+        tx = AsyncTransaction(run)
+        with pool._admitted():
+            if pool.group_commit:
+                pool._requests.put(req)
+            else:
+                assert self._executor is not None
+                loop.run_in_executor(self._executor, pool._run_single, req)
+            while not req.turn.is_set():
+                try:
+                    await asyncio.wait_for(changed.wait(), pool._acquire_timeout_s)
+                except TimeoutError:
+                    if req.abandon():
+                        raise RetriableError(
+                            f"writer pool {pool._prefix}: no writer took the request within "
+                            f"{pool._acquire_timeout_s:g} s") from None
+                changed.clear()
+            handle = req.handle
+            if handle is None:  # the transaction failed before this request's turn
+                assert req.error is not None
+                raise req.error
+            try:
+                yield tx
+            except BaseException as exc:
+                req.body_error = exc
+                req.work.put(None)
+                await _until(req.done, changed)
+                if isinstance(req.error, DatabaseUnreachableError) \
+                        and req.error.__cause__ is exc:
+                    raise req.error from exc  # its own statement lost the database
+                raise
+            for topic, value, key, partition, headers in tx.records():
+                handle.produce(topic, value, key, partition=partition, headers=headers)
+            req.work.put(None)
+            await _until(req.done, changed)
+        tx.state = handle.state
+        if req.error is not None:
+            raise req.error
+
+
+def _settle(future: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(value)
+
+
+async def _until(event: threading.Event, changed: asyncio.Event) -> None:
+    while not event.is_set():
+        await changed.wait()
+        changed.clear()
