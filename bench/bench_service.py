@@ -6,12 +6,15 @@ In one run, on the same broker and PostgreSQL, per number of client threads:
     awaited (one shared producer); not atomic, the figure users compare against;
 (b) ``outbox``: the row and an outbox row in one database transaction, no Kafka;
 (c) ``pool``: ``DualWriterPool(group_commit=False)``, one Kafka transaction per request;
-(d) ``pool-gc``: ``DualWriterPool(group_commit=True)``, requests sharing transactions.
+(d) ``pool-gc``: ``DualWriterPool(group_commit=True)``, requests sharing transactions;
+(e) ``async-gc``: ``AsyncDualWriterPool(group_commit=True)``, the clients being asyncio tasks on one
+    event loop (in a thread of its own).
 
 Prints transactions/s, p50 and p99 latency and the ratios to (a); then the memory of one pooled
 writer (RSS of a warm pool of ``--size`` writers, per writer).
 
-    ./run.sh bench service [--quick] [--seconds 5] [--clients 1,8,32,128] [--size 16] [--db URL]
+    ./run.sh bench service [--quick] [--seconds 5] [--clients 1,8,32,128] [--size 16]
+                           [--cases naive,outbox,pool,pool-gc,async-gc] [--db URL]
 
 Starts a local Kafka and PostgreSQL unless ``DUALWRITE_BOOTSTRAP_SERVERS`` / ``--db`` are given.
 """
@@ -19,6 +22,7 @@ Starts a local Kafka and PostgreSQL unless ``DUALWRITE_BOOTSTRAP_SERVERS`` / ``-
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import resource
 import sys
@@ -83,6 +87,31 @@ def run_clients(request: Request, clients: int, seconds: float) -> tuple[int, li
     return len(flat), flat, elapsed
 
 
+def run_tasks(pool: dw.AsyncDualWriterPool, loop: asyncio.AbstractEventLoop, topic: str,
+              clients: int, seconds: float) -> tuple[int, list[float], float]:
+    """``clients`` asyncio tasks on ``loop`` running requests for ``seconds``."""
+    async def main() -> tuple[int, list[float], float]:
+        latencies: list[float] = []
+        deadline = time.perf_counter() + seconds
+
+        async def client(i: int) -> None:
+            n = 0
+            while time.perf_counter() < deadline:
+                key = f"{uuid.uuid4().hex[:12]}-a{i}-{n}"
+                started = time.perf_counter()
+                async with pool.transaction() as tx:
+                    tx.produce(topic, PAYLOAD, key)
+                    await tx.connection.execute(orders.insert(), {"id": key, "payload": PAYLOAD})
+                latencies.append(time.perf_counter() - started)
+                n += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client(i) for i in range(clients)))
+        return len(latencies), sorted(latencies), time.perf_counter() - started
+
+    return asyncio.run_coroutine_threadsafe(main(), loop).result()
+
+
 def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
@@ -100,7 +129,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--clients", default="1,8,32,128")
     parser.add_argument("--size", type=int, default=16, help="writers per pool")
-    parser.add_argument("--cases", default="naive,outbox,pool,pool-gc")
+    parser.add_argument("--cases", default="naive,outbox,pool,pool-gc,async-gc")
     parser.add_argument("--quick", action="store_true", help="2 s per case")
     parser.add_argument("--db", help="database URL (default: a throwaway local PostgreSQL)")
     args = parser.parse_args()
@@ -157,7 +186,15 @@ def main() -> int:
                 pools[case] = stack.enter_context(dw.DualWriterPool(
                     engine, kafka, id_prefix=f"bench-{case}-{uuid.uuid4().hex[:6]}",
                     size=args.size, group_commit=gc))
-        per_writer = (rss_mb() - before) / max(1, args.size * len(pools))
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+        apool: dw.AsyncDualWriterPool | None = None
+        if "async-gc" in cases:
+            apool = dw.AsyncDualWriterPool(engine, kafka, size=args.size, group_commit=True,
+                                           id_prefix=f"bench-async-{uuid.uuid4().hex[:6]}")
+            asyncio.run_coroutine_threadsafe(apool.start(), loop).result()
+        writers = args.size * (len(pools) + (apool is not None))
+        per_writer = (rss_mb() - before) / max(1, writers)
 
         def pooled(pool: dw.DualWriterPool) -> Request:
             def request(key: str) -> None:
@@ -175,7 +212,11 @@ def main() -> int:
         for clients in (int(c) for c in args.clients.split(",")):
             base: tuple[float, float] | None = None
             for case in cases:
-                count, lat, elapsed = run_clients(requests[case], clients, seconds)
+                if case == "async-gc":
+                    assert apool is not None
+                    count, lat, elapsed = run_tasks(apool, loop, topic, clients, seconds)
+                else:
+                    count, lat, elapsed = run_clients(requests[case], clients, seconds)
                 tps, p99 = count / elapsed, pct(lat, 0.99)
                 if case == "naive":
                     base = (tps, p99)
@@ -184,7 +225,10 @@ def main() -> int:
                 print(f"{clients:>7} {case:<8} {tps:>8.0f} {pct(lat, 0.5) * 1000:>8.1f} "
                       f"{p99 * 1000:>8.1f} {ratio}", flush=True)
             print()
-        print(f"memory per pooled writer (RSS of warm pools / writers): {per_writer:.1f} MB")
+        print(f"memory per pooled writer (RSS of {writers} warm writers / {writers}): "
+              f"{per_writer:.1f} MB")
+        if apool is not None:
+            asyncio.run_coroutine_threadsafe(apool.close(), loop).result()
         polling.set()
         producer.flush(10)
     return 0

@@ -161,10 +161,9 @@ def test_a_fenced_writer_is_replaced_not_handed_to_the_next_request(
                                     "transactional.id": f"{prefix}-0"}, timeout_s=20)
         usurper.init_transactions()
         usurper.close()
-        with pytest.raises(ProducerFencedError):
-            with pool.transaction() as tx:
-                tx.produce(topic, "fenced", "fenced")
-                insert(tx.connection, "fenced")
+        with pytest.raises(ProducerFencedError), pool.transaction() as tx:
+            tx.produce(topic, "fenced", "fenced")
+            insert(tx.connection, "fenced")
         for value in ("after-1", "after-2"):
             with pool.transaction() as tx:
                 tx.produce(topic, value, value)
@@ -286,3 +285,56 @@ def test_sigkill_with_decided_groups_in_flight_then_recover(
         insert(tx.connection, "after")
     pool.close()
     assert assert_invariant(engine, bootstrap, topic) == committed | {"after"}
+
+
+@pytest.mark.parametrize("group_commit", [True, False], ids=["group", "single"])
+def test_async_pool_requests_are_atomic_each(db_url: str, engine: sa.Engine, bootstrap: str,
+                                             topic: str, group_commit: bool) -> None:
+    """32 tasks on one event loop over 2 writers; every 4th request raises after its insert and
+    produce. The loop is never blocked: a ticker task keeps running meanwhile."""
+    import asyncio
+
+    async def main() -> tuple[set[str], int]:
+        ok: set[str] = set()
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        async with dualwrite.AsyncDualWriterPool(
+                db_url, {"bootstrap.servers": bootstrap}, id_prefix=unique("apool"), size=2,
+                group_commit=group_commit, timeout_s=20) as pool:
+            tick = asyncio.create_task(ticker())
+
+            async def client(i: int) -> None:
+                for n in range(4):
+                    value = f"a{i}-{n}"
+                    try:
+                        async with pool.transaction() as tx:
+                            await tx.connection.execute(
+                                sa.text("INSERT INTO pool_rows (value) VALUES (:v)"),
+                                {"v": value})
+                            seen = await tx.connection.execute(
+                                sa.text("SELECT count(*) FROM pool_rows WHERE value = :v"),
+                                {"v": value})
+                            assert seen.scalar() == 1
+                            tx.produce(topic, value, value)
+                            if n == 3:
+                                raise Boom(value)
+                    except Boom:
+                        continue
+                    ok.add(value)
+
+            await asyncio.gather(*(client(i) for i in range(32)))
+            stop.set()
+            await tick
+        return ok, ticks
+
+    ok, ticks = asyncio.run(main())
+    assert len(ok) == 32 * 3
+    assert assert_invariant(engine, bootstrap, topic) == ok
+    assert ticks > 10
