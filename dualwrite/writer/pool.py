@@ -295,6 +295,18 @@ class _Request:
 _STOP = object()
 
 
+class _Once:
+    """Calls ``fn`` at the first call only."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self._fn: Callable[[], object] | None = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
 class DualWriterPool:
     """A thread-safe pool of :class:`DualWriter` over ids ``{id_prefix}-{n}`` (module docstring).
 
@@ -325,7 +337,8 @@ class DualWriterPool:
                  max_group_size: int = 32, acquire_timeout_s: float = 30.0,
                  timeout_s: float = 30.0, on_heuristic_abort: HeuristicHook | None = None,
                  verify: Literal["auto", "always"] = "auto", hooks: PhaseHooks | None = None,
-                 max_ids: int = 1024, warm_up: bool = True, rest_s: float = 0.01) -> None:
+                 max_ids: int = 1024, warm_up: bool = True, rest_s: float = 0.01,
+                 collectors: int | None = None) -> None:
         if size < 1 or max_group_size < 1:
             raise ValueError("size and max_group_size must be at least 1")
         if not re.fullmatch(r"[A-Za-z0-9._-]+", id_prefix):
@@ -354,6 +367,8 @@ class DualWriterPool:
         self._busy = 0
         self._closed = False
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._collecting = threading.BoundedSemaphore(collectors or max(1, size // 4))
+        """How many writers may take requests into their groups at once (the others commit)."""
         self._drivers: list[threading.Thread] = []
         self._slots = _Slots(self._engine)
         try:
@@ -545,9 +560,18 @@ class DualWriterPool:
 
     # -- group commit ------------------------------------------------------------------------
 
+    @property
+    def id_prefix(self) -> str:
+        return self._prefix
+
+    @property
+    def acquire_timeout_s(self) -> float:
+        return self._acquire_timeout_s
+
     @contextmanager
-    def _admitted(self) -> Iterator[None]:
-        """Counts a request in (refused once closed): :meth:`close` waits for it."""
+    def admitted(self) -> Iterator[None]:
+        """Counts a request in (refused once closed): :meth:`close` waits for it. For
+        :class:`AsyncDualWriterPool`, with :meth:`hand_over`."""
         with self._lock:
             if self._closed:
                 raise FatalError(f"writer pool {self._prefix} is closed")
@@ -561,8 +585,17 @@ class DualWriterPool:
 
     @contextmanager
     def _grouped(self) -> Iterator[GroupedTransaction]:
-        with self._admitted(), self._request() as handle:
+        with self.admitted(), self._request() as handle:
             yield handle
+
+    def hand_over(self, req: _Request, executor: ThreadPoolExecutor | None) -> None:
+        """Give an admitted request to the writers: to the queue of groups, or without group
+        commit to a thread of ``executor`` that runs a transaction of its own for it."""
+        if self._group_commit:
+            self._requests.put(req)
+        else:
+            assert executor is not None
+            executor.submit(self._run_single, req)
 
     def _run_single(self, req: _Request) -> None:
         """An async request without group commit, in a thread of the async pool: one writer's
@@ -618,16 +651,24 @@ class DualWriterPool:
         """The thread of one writer: take the waiting requests as a group, one transaction."""
         while True:
             self._rest(slot)
-            first = self._requests.get()
-            if first is _STOP:
-                return
-            if slot.lost:  # leave it to a writer that still holds its id
-                self._requests.put(first)
-                return
-            if first.take():
-                self._run_group(slot, first)
+            self._collecting.acquire()
+            collected = _Once(self._collecting.release)
+            try:
+                first = self._requests.get()
+                if first is _STOP:
+                    return
+                if slot.lost:  # leave it to a writer that still holds its id
+                    self._requests.put(first)
+                    return
+                if first.take():
+                    self._run_group(slot, first, collected)
+            finally:
+                collected()
 
-    def _run_group(self, slot: _Slot, first: _Request) -> None:
+    def _run_group(self, slot: _Slot, first: _Request, collected: Callable[[], None]) -> None:
+        """One group: the writer's transaction runs ``first`` and the requests that wait or
+        arrive meanwhile (up to ``max_group_size``), then ``collected()`` lets another writer
+        collect while this one commits."""
         group: list[_Request] = []
         stop = False
         error: BaseException | None = None
@@ -652,6 +693,7 @@ class DualWriterPool:
                         if item.take():
                             nxt = item
                             break
+                collected()
         except BaseException as exc:
             error = exc
             if breaks_writer(exc):
@@ -923,20 +965,16 @@ class AsyncDualWriterPool:
             return await future
 
         tx = AsyncTransaction(run)
-        with pool._admitted():
-            if pool.group_commit:
-                pool._requests.put(req)
-            else:
-                assert self._executor is not None
-                loop.run_in_executor(self._executor, pool._run_single, req)
+        with pool.admitted():
+            pool.hand_over(req, self._executor)
             while not req.turn.is_set():
                 try:
-                    await asyncio.wait_for(changed.wait(), pool._acquire_timeout_s)
+                    await asyncio.wait_for(changed.wait(), pool.acquire_timeout_s)
                 except TimeoutError:
                     if req.abandon():
                         raise RetriableError(
-                            f"writer pool {pool._prefix}: no writer took the request within "
-                            f"{pool._acquire_timeout_s:g} s") from None
+                            f"writer pool {pool.id_prefix}: no writer took the request within "
+                            f"{pool.acquire_timeout_s:g} s") from None
                 changed.clear()
             handle = req.handle
             if handle is None:  # the transaction failed before this request's turn
