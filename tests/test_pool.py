@@ -338,3 +338,56 @@ def test_async_pool_requests_are_atomic_each(db_url: str, engine: sa.Engine, boo
     assert len(ok) == 32 * 3
     assert assert_invariant(engine, bootstrap, topic) == ok
     assert ticks > 10
+
+
+def test_a_failed_group_commit_reaches_every_request_as_the_same_error(
+        engine: sa.Engine, bootstrap: str, topic: str) -> None:
+    """The group's prepare fails (a hook raises there, as a failed flush would): each request of
+    the group gets that same error object, none of their rows or records exist, and the next
+    requests commit on a new writer."""
+    from dualwrite import DeliveryTimeoutError
+    from dualwrite.participant import PreparedTxnState
+    from dualwrite.writer import PhaseHooks
+
+    class FailOnce(PhaseHooks):
+        armed = False
+
+        def prepared(self, state: PreparedTxnState) -> None:
+            if self.armed:
+                self.armed = False
+                raise DeliveryTimeoutError("injected: the group's flush failed")
+
+    hooks = FailOnce()
+    pool = DualWriterPool(engine, {"bootstrap.servers": bootstrap}, id_prefix=unique("pool"),
+                          size=1, group_commit=True, timeout_s=20, hooks=hooks)
+    try:
+        hooks.armed = True
+        raised: dict[int, BaseException] = {}
+        first_in = threading.Event()
+
+        def client(i: int) -> None:
+            if i:
+                first_in.wait()
+            try:
+                with pool.transaction() as tx:
+                    if i == 0:
+                        first_in.set()
+                        time.sleep(0.3)  # the others queue behind: one group
+                    insert(tx.connection, f"g{i}")
+                    tx.produce(topic, f"g{i}", f"g{i}")
+            except DeliveryTimeoutError as exc:
+                raised[i] = exc
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(raised) == list(range(6))
+        assert len({id(e) for e in raised.values()}) == 1
+        with pool.transaction() as tx:
+            insert(tx.connection, "after")
+            tx.produce(topic, "after", "after")
+    finally:
+        pool.close()
+    assert assert_invariant(engine, bootstrap, topic) == {"after"}
