@@ -391,3 +391,41 @@ def test_a_failed_group_commit_reaches_every_request_as_the_same_error(
     finally:
         pool.close()
     assert assert_invariant(engine, bootstrap, topic) == {"after"}
+
+
+@pytest.mark.parametrize("group_commit", [True, False], ids=["group", "single"])
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_a_pool_whose_slot_session_died_gives_up_ids_another_pool_took(
+        engine: sa.Engine, bootstrap: str, topic: str, group_commit: bool) -> None:
+    """The session holding a pool's slots ends (a server restart, a cut connection); another
+    process's pool takes those ids meanwhile. The first pool notices within its check interval
+    and stops using them (its requests are refused as retriable) instead of running the same ids
+    as the other pool."""
+    from dualwrite import RetriableError
+    from dualwrite.database import advisory_keys
+
+    prefix = unique("pool")
+    kafka = {"bootstrap.servers": bootstrap}
+    first = DualWriterPool(engine, kafka, id_prefix=prefix, size=2, group_commit=group_commit,
+                           acquire_timeout_s=2)
+    k1, k2 = advisory_keys(b"dualwrite-pool-slot", f"{prefix}-0")
+    with engine.begin() as conn:
+        pid = conn.execute(sa.text(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND classid = :c "
+            "AND objid = :o AND objsubid = 2"),
+            {"c": k1 & 0xFFFFFFFF, "o": k2 & 0xFFFFFFFF}).scalar_one()
+        conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+    second = DualWriterPool(engine, kafka, id_prefix=prefix, size=2)
+    try:
+        assert second.transactional_ids == first.transactional_ids
+        time.sleep(6)  # the first pool's check runs every 5 s
+        with pytest.raises(RetriableError), first.transaction() as tx:
+            insert(tx.connection, "first")
+            tx.produce(topic, "first", "first")
+        with second.transaction() as tx:
+            insert(tx.connection, "second")
+            tx.produce(topic, "second", "second")
+    finally:
+        second.close()
+        first.close()
+    assert assert_invariant(engine, bootstrap, topic) == {"second"}

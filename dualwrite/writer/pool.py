@@ -318,6 +318,8 @@ class DualWriterPool:
     thread that takes the waiting requests as one group: the request's block still runs in the
     caller's thread (its context variables, its exceptions), on the group's connection inside a
     savepoint, one request after the other; it returns once the group committed on both sides.
+    At most ``collectors`` writers (default ``size // 4``) take requests at a time while the
+    others commit, so that groups grow with the load.
     A request whose block raises is rolled back alone (its savepoint; its records never leave)
     and gets its exception; a failure of the group's prepare or commit reaches each of its
     requests as the same typed error. ``max_group_size`` bounds a group (and the time its first
@@ -498,11 +500,15 @@ class DualWriterPool:
             slot.writer = self._new_writer(slot.tid)
         return slot.writer
 
-    def _retire(self, slot: _Slot, exc: BaseException) -> None:
-        """Close a writer that broke; the slot gets a new one at its next use."""
+    def _retire(self, slot: _Slot, exc: BaseException | str) -> None:
+        """Close a writer that broke (the slot gets a new one at its next use) or whose id is
+        no longer this pool's (its lease goes with its connection)."""
         writer, slot.writer = slot.writer, None
-        log.warning("writer pool: transactional_id=%s replaced after %s: %s", slot.tid,
-                    type(exc).__name__, exc)
+        if isinstance(exc, str):
+            log.warning("writer pool: transactional_id=%s closed: %s", slot.tid, exc)
+        else:
+            log.warning("writer pool: transactional_id=%s replaced after %s: %s", slot.tid,
+                        type(exc).__name__, exc)
         if writer is not None:
             try:
                 writer.close()
@@ -531,6 +537,8 @@ class DualWriterPool:
                 self._free_changed.wait(left)
 
     def _checkin(self, slot: _Slot) -> None:
+        if slot.lost:
+            self._retire(slot, "its id was taken by another process")
         with self._lock:
             self._busy -= 1
             if not slot.lost:
@@ -659,6 +667,7 @@ class DualWriterPool:
                     return
                 if slot.lost:  # leave it to a writer that still holds its id
                     self._requests.put(first)
+                    self._retire(slot, "its id was taken by another process")
                     return
                 if first.take():
                     self._run_group(slot, first, collected)
@@ -745,8 +754,8 @@ class DualWriterPool:
 
     def _keep_slots(self, interval_s: float = 5.0) -> None:
         """Every few seconds: is the session holding the slots alive? If a server restart ended
-        it, take them again; an id another process took meanwhile is given up (its writer is
-        closed once idle: two writers of one id would fence each other)."""
+        it, take them again; an id another process took meanwhile is given up: its writer is
+        closed once idle (two writers of one id would fence each other)."""
         while not self._stop_keeper.wait(interval_s):
             try:
                 if self._slots.still_held():
@@ -763,7 +772,13 @@ class DualWriterPool:
                               self._prefix, slot.tid)
                     slot.lost = True
             with self._lock:
+                # Group commit: each writer's own thread closes it (``_drive``).
+                idle = [] if self._group_commit else [s for s in self._free if s.lost]
+                for slot in idle:
+                    self._free.remove(slot)
                 self._free_changed.notify_all()
+            for slot in idle:
+                self._retire(slot, "its id was taken by another process")
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Wait (up to ``timeout_s``) for running requests, close every writer, release the
