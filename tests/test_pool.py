@@ -245,14 +245,16 @@ def killed() -> Iterator[list[subprocess.Popen[str]]]:
         p.wait()
 
 
+@pytest.mark.parametrize("finish", ["recover", "smaller-pool"])
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
 def test_sigkill_with_decided_groups_in_flight_then_recover(
         db_url: str, engine: sa.Engine, bootstrap: str, topic: str,
-        killed: list[subprocess.Popen[str]]) -> None:
+        killed: list[subprocess.Popen[str]], finish: str) -> None:
     """16 threads over 2 writers with group commit; once 60 requests returned, every writer
-    stops after its group's database COMMIT; SIGKILL. ``dualwrite recover`` finishes the groups
-    (each with several requests): every committed row's record appears once, every returned
-    request is among them; then a new pool with the prefix takes the ids and serves again."""
+    stops after its group's database COMMIT; SIGKILL. ``dualwrite recover`` — or the start of a
+    pool of one writer with the prefix (its own id by its warm-up, the other as an id nobody
+    runs) — finishes the groups (each with several requests): every committed row's record
+    appears once, every returned request is among them; then a pool serves again."""
     prefix = unique("pool")
     proc = _worker(db_url, bootstrap, topic, prefix, "--size", "2", "--threads", "16",
                    "--block-after", "60")
@@ -273,8 +275,16 @@ def test_sigkill_with_decided_groups_in_flight_then_recover(
                                             prefix=prefix).rows if r.in_doubt]
     assert in_doubt, "no decided group was left for recovery"
     decided = len(rows(engine))
-    report = dualwrite.recover(engine, {"bootstrap.servers": bootstrap})
-    assert report.ok, report.as_dict()
+    if finish == "recover":
+        report = dualwrite.recover(engine, {"bootstrap.servers": bootstrap})
+        assert report.ok, report.as_dict()
+    else:
+        smaller = DualWriterPool(engine, {"bootstrap.servers": bootstrap}, id_prefix=prefix,
+                                 size=1)
+        assert smaller.transactional_ids == [f"{prefix}-0"]
+        smaller.close()
+    assert [r.transactional_id for r in dualwrite.status(
+        engine, {"bootstrap.servers": bootstrap}, prefix=prefix).rows if r.in_doubt] == []
     committed = assert_invariant(engine, bootstrap, topic)
     assert {v for v, _ in returned} <= committed
     assert len(committed) == decided > len(returned)  # the decided, unreturned groups too
