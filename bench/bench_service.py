@@ -131,6 +131,8 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=16, help="writers per pool")
     parser.add_argument("--cases", default="naive,outbox,pool,pool-gc,async-gc")
     parser.add_argument("--quick", action="store_true", help="2 s per case")
+    parser.add_argument("--pause", type=float, default=2.0,
+                        help="idle seconds before each case: the broker settles from the last")
     parser.add_argument("--db", help="database URL (default: a throwaway local PostgreSQL)")
     args = parser.parse_args()
     seconds = 2.0 if args.quick else args.seconds
@@ -212,6 +214,7 @@ def main() -> int:
         for clients in (int(c) for c in args.clients.split(",")):
             base: tuple[float, float] | None = None
             for case in cases:
+                time.sleep(args.pause)
                 if case == "async-gc":
                     assert apool is not None
                     count, lat, elapsed = run_tasks(apool, loop, topic, clients, seconds)
