@@ -111,8 +111,8 @@ def test_concurrent_requests_are_atomic_each_and_a_failing_one_alone_rolls_back(
 
 def test_a_failing_statement_in_a_group_rolls_back_its_request_alone(
         engine: sa.Engine, bootstrap: str, topic: str) -> None:
-    """A request whose own statement fails (duplicate key) inside a group is rolled back alone
-    (its savepoint): the transaction goes on for the others."""
+    """Requests queued behind a slow first one form one group; those whose own statement fails
+    (duplicate key) are rolled back alone (their savepoints), the others of the group commit."""
     pool = DualWriterPool(engine, {"bootstrap.servers": bootstrap}, id_prefix=unique("pool"),
                           size=1, group_commit=True, timeout_s=20)
     try:
@@ -120,16 +120,24 @@ def test_a_failing_statement_in_a_group_rolls_back_its_request_alone(
             insert(tx.connection, "dup")
             tx.produce(topic, "dup", "dup")
         outcomes: dict[int, str] = {}
-        go = threading.Barrier(8)
+        states: dict[int, str] = {}
+        leader_in = threading.Event()
 
         def client(i: int) -> None:
-            go.wait()
+            if i:
+                leader_in.wait()
             value = "dup" if i % 2 else f"fresh-{i}"
             try:
                 with pool.transaction() as tx:
+                    if i == 0:
+                        leader_in.set()
+                        time.sleep(0.3)  # the others queue behind it: one group
                     tx.produce(topic, value, value)
+                    if i % 2:
+                        insert(tx.connection, f"partial-{i}")  # rolled back with the request
                     insert(tx.connection, value)
                 outcomes[i] = "ok"
+                states[i] = str(tx.state)
             except sa.exc.IntegrityError:
                 outcomes[i] = "duplicate"
 
@@ -139,6 +147,7 @@ def test_a_failing_statement_in_a_group_rolls_back_its_request_alone(
         for t in threads:
             t.join()
         assert outcomes == {i: "duplicate" if i % 2 else "ok" for i in range(8)}
+        assert len(set(states.values())) < len(states)  # some shared a transaction
     finally:
         pool.close()
     assert assert_invariant(engine, bootstrap, topic) == {"dup", "fresh-0", "fresh-2",

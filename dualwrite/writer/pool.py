@@ -264,7 +264,7 @@ class _Request:
         self.done = threading.Event()
         self.on_change = on_change
         """Called (in the writer's thread) after ``turn`` or ``done`` is set."""
-        self.handle: GroupedTransaction | None = None
+        self.handle: GroupedTransaction | DualWriteTransaction | None = None
         self.body_error: BaseException | None = None
         self.error: BaseException | None = None
         self.abandoned = False
@@ -592,7 +592,7 @@ class DualWriterPool:
                 self._free_changed.notify_all()
 
     @contextmanager
-    def _grouped(self) -> Iterator[GroupedTransaction]:
+    def _grouped(self) -> Iterator[GroupedTransaction | DualWriteTransaction]:
         with self.admitted(), self._request() as handle:
             yield handle
 
@@ -630,7 +630,7 @@ class DualWriterPool:
             req.signal(req.done)
 
     @contextmanager
-    def _request(self) -> Iterator[GroupedTransaction]:
+    def _request(self) -> Iterator[GroupedTransaction | DualWriteTransaction]:
         req = _Request()
         self._requests.put(req)
         if not req.turn.wait(self._acquire_timeout_s) and req.abandon():
@@ -685,12 +685,11 @@ class DualWriterPool:
         try:
             writer = self._writer(slot)
             with writer.transaction() as tx:
-                conn = tx.connection  # the lock first: the requests' records come later
-                nxt: _Request | None = first
-                while nxt is not None:
-                    group.append(nxt)
-                    self._run_member(conn, tx, nxt)
-                    nxt = None
+                group.append(first)
+                self._run_first(tx, first)
+                conn = tx.connection  # (the lock, if the first request did not take it)
+                nxt: _Request | None = None
+                while True:
                     while len(group) < self._max_group:
                         try:
                             item = self._requests.get_nowait()
@@ -702,6 +701,11 @@ class DualWriterPool:
                         if item.take():
                             nxt = item
                             break
+                    if nxt is None:
+                        break
+                    group.append(nxt)
+                    self._run_member(conn, tx, nxt)
+                    nxt = None
                 collected()
         except BaseException as exc:
             error = exc
@@ -719,6 +723,18 @@ class DualWriterPool:
             req.signal(req.done)
         if stop:
             self._requests.put(_STOP)
+
+    def _run_first(self, tx: DualWriteTransaction, req: _Request) -> None:
+        """The group's first request runs on the writer's own handle, as a lone transaction
+        would: its records leave at once (while its rows are written, the lock taken late) and,
+        with nothing else in the transaction yet, a failure of its block ends the transaction
+        (both sides rolled back), so it needs no savepoint. Requests join after it."""
+        req.handle = tx
+        req.signal(req.turn)
+        while (item := req.work.get()) is not None:
+            item()
+        if req.body_error is not None:
+            raise req.body_error
 
     def _run_member(self, conn: Connection, tx: DualWriteTransaction, req: _Request) -> None:
         """Run one request's block (in its own thread) inside a savepoint; produce its records
@@ -963,14 +979,12 @@ class AsyncDualWriterPool:
 
         req = _Request(on_change=wake)
 
-        async def run(fn: Callable[[Connection], Any]) -> Any:
-            handle = req.handle
-            assert handle is not None
+        async def in_writer(fn: Callable[[], Any]) -> Any:
             future: asyncio.Future[Any] = loop.create_future()
 
             def item() -> None:  # in the writer's thread
                 try:
-                    value = fn(handle.connection)
+                    value = fn()
                 except BaseException as exc:
                     loop.call_soon_threadsafe(_settle, future, None, exc)
                 else:
@@ -978,6 +992,11 @@ class AsyncDualWriterPool:
 
             req.work.put(item)
             return await future
+
+        async def run(fn: Callable[[Connection], Any]) -> Any:
+            handle = req.handle
+            assert handle is not None
+            return await in_writer(lambda: fn(handle.connection))
 
         tx = AsyncTransaction(run)
         with pool.admitted():
@@ -1005,8 +1024,18 @@ class AsyncDualWriterPool:
                         and req.error.__cause__ is exc:
                     raise req.error from exc  # its own statement lost the database
                 raise
-            for topic, value, key, partition, headers in tx.records():
-                handle.produce(topic, value, key, partition=partition, headers=headers)
+            def produce_all() -> None:  # the writer's handle may take its lock here
+                for topic, value, key, partition, headers in tx.records():
+                    handle.produce(topic, value, key, partition=partition, headers=headers)
+
+            try:
+                if tx.records():
+                    await in_writer(produce_all)
+            except BaseException as exc:
+                req.body_error = exc
+                req.work.put(None)
+                await _until(req.done, changed)
+                raise
             req.work.put(None)
             await _until(req.done, changed)
         tx.state = handle.state
