@@ -316,8 +316,9 @@ class DualWriterPool:
     for one to be free (then :class:`~dualwrite.errors.RetriableError`). With ``group_commit``
     (default; see bench/README.md for the measurements) each of the ``size`` writers has a
     thread that takes the waiting requests as one group: the request's block still runs in the
-    caller's thread (its context variables, its exceptions), on the group's connection inside a
-    savepoint, one request after the other; it returns once the group committed on both sides.
+    caller's thread (its context variables, its exceptions), on the group's connection — the
+    first request of a group on the writer's own handle, the others inside a savepoint each — one
+    request after the other; it returns once the group committed on both sides.
     At most ``collectors`` writers (default ``size // 4``) take requests at a time while the
     others commit, so that groups grow with the load.
     A request whose block raises is rolled back alone (its savepoint; its records never leave)
@@ -331,7 +332,9 @@ class DualWriterPool:
     their state rows) and releases the ids.
 
     ``DualWriter`` keywords (``timeout_s``, ``on_heuristic_abort``, ``verify``, ``hooks``) apply
-    to every writer. Kafka: ``kafka_config`` without ``transactional.id``.
+    to every writer. Kafka: ``kafka_config`` without ``transactional.id``. ``max_ids`` bounds the
+    numbers a pool may take; ``warm_up`` runs each writer's first transaction at start;
+    ``rest_s`` is the least time between one writer's transactions (:meth:`_rest`).
     """
 
     def __init__(self, engine: Engine | str, kafka_config: Mapping[str, Any], *,
