@@ -37,10 +37,10 @@ install_python() {
     if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt constraints.txt ]; then
         return 0
     fi
-    say "creating $VENV and installing dualwrite[dev,spark] (pinned by constraints.txt)"
+    say "creating $VENV and installing dualwrite[dev,spark,service] (pinned by constraints.txt)"
     python3 -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev,spark]"
+    "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev,spark,service]"
     touch "$stamp"
 }
 
@@ -68,6 +68,10 @@ case "$cmd" in
         if [ "${1:-}" = spark ]; then
             shift
             exec "$VENV/bin/python" bench/bench_spark.py "$@"
+        fi
+        if [ "${1:-}" = service ]; then
+            shift
+            exec "$VENV/bin/python" bench/bench_service.py "$@"
         fi
         exec "$VENV/bin/python" bench/bench_dual_write.py "$@" ;;
     *)

@@ -21,13 +21,24 @@ from dualwrite.recovery import (
     recover,
     status,
 )
-from dualwrite.writer import DualWriter, DualWriteTransaction
+from dualwrite.writer import (
+    AsyncDualWriterPool,
+    AsyncTransaction,
+    DualWriter,
+    DualWriterPool,
+    DualWriteTransaction,
+    GroupedTransaction,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncDualWriterPool",
+    "AsyncTransaction",
     "DualWriteTransaction",
     "DualWriter",
+    "DualWriterPool",
+    "GroupedTransaction",
     "OpenTransaction",
     "Outcome",
     "PreparedTxnState",

@@ -91,7 +91,8 @@ def test_the_top_level_exports_the_application_and_operator_api_only() -> None:
                      "TopicPartition", "TransactionDescription", "ProbeResult"):
         assert internal not in exported
     for received in ("BatchHeuristicAbortError", "KafkaErrorInfo", "RecoveryResult",
-                     "SinkStatus", "Outcome", "DualWriter", "recover", "status",
+                     "SinkStatus", "Outcome", "DualWriter", "DualWriterPool", "GroupedTransaction",
+                     "AsyncDualWriterPool", "AsyncTransaction", "recover", "status",
                      "open_transactions", "OpenTransaction"):
         assert received in exported
     assert all(hasattr(dualwrite, name) for name in exported)

@@ -1,0 +1,94 @@
+"""Writer-pool worker process for ``tests/test_pool.py``.
+
+    python tests/pool_worker.py --db URL --bootstrap HOST:PORT --topic T --prefix P \
+        [--size 2] [--threads 16] [--no-group-commit] [--ids-only] [--block-after N]
+
+Opens a :class:`dualwrite.DualWriterPool` and prints ``IDS <id> ...``. With ``--ids-only`` it
+then waits for a line on stdin, closes the pool and exits. Otherwise ``threads`` threads run
+requests (one row in ``pool_rows(value)`` and the same value as one record) until killed; each
+request that returned prints ``OK <value> <prepared state>``. With ``--block-after N``, once N
+requests returned, every writer stops right after its group's database COMMIT (the decision,
+before Kafka's commit; ``PhaseHooks.database_committed``) and the worker prints ``AT
+database-committed``: the parent SIGKILLs it with decided groups in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+
+from dualwrite import DualWriterPool, create_engine
+from dualwrite.participant import PreparedTxnState
+from dualwrite.writer import PhaseHooks
+
+
+class BlockAfter(PhaseHooks):
+    def __init__(self, after: int) -> None:
+        self.after = after
+        self.returned = 0
+        self.lock = threading.Lock()
+        self.announced = False
+
+    def database_committed(self, state: PreparedTxnState) -> None:
+        with self.lock:
+            if self.returned < self.after:
+                return
+            if not self.announced:
+                self.announced = True
+                print("AT database-committed", flush=True)
+        time.sleep(600)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--db", required=True)
+    ap.add_argument("--bootstrap", required=True)
+    ap.add_argument("--topic", required=True)
+    ap.add_argument("--prefix", required=True)
+    ap.add_argument("--size", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--no-group-commit", action="store_true")
+    ap.add_argument("--ids-only", action="store_true")
+    ap.add_argument("--block-after", type=int, default=0)
+    args = ap.parse_args()
+    hooks = BlockAfter(args.block_after) if args.block_after else None
+    pool = DualWriterPool(create_engine(args.db), {"bootstrap.servers": args.bootstrap},
+                          id_prefix=args.prefix, size=args.size, timeout_s=20,
+                          group_commit=not args.no_group_commit, hooks=hooks)
+    print("IDS", *pool.transactional_ids, flush=True)
+    if args.ids_only:
+        sys.stdin.readline()
+        pool.close()
+        return 0
+    out = threading.Lock()
+
+    def client(i: int) -> None:
+        n = 0
+        while True:
+            value = f"w{i}-{n}"
+            with pool.transaction() as tx:
+                tx.connection.exec_driver_sql("INSERT INTO pool_rows (value) VALUES (?)"
+                                              if tx.connection.dialect.name == "sqlite" else
+                                              "INSERT INTO pool_rows (value) VALUES (%s)",
+                                              (value,))
+                tx.produce(args.topic, value, value)
+            with out:
+                print("OK", value, tx.state, flush=True)
+                if hooks is not None:
+                    with hooks.lock:
+                        hooks.returned += 1
+            n += 1
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True)
+               for i in range(args.threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
