@@ -39,7 +39,11 @@ from dualwrite.participant._kafka_python_seam import (
     end_txn_request,
     init_producer_id_request,
 )
-from dualwrite.participant.client_config import authentication_failure, kafka_python_config
+from dualwrite.participant.client_config import (
+    authentication_failure,
+    check_timeout,
+    kafka_python_config,
+)
 from dualwrite.participant.identifiers import ProducerIdentity, TopicPartition
 from dualwrite.participant.kafka_errors import RetriableKafkaError, raise_for_code
 
@@ -254,7 +258,7 @@ class ControlPlane:
     """
 
     def __init__(self, config: Mapping[str, Any], *, timeout_s: float = 30.0) -> None:
-        self._timeout_s = timeout_s
+        self._timeout_s = timeout_s = check_timeout(timeout_s)
         kp = kafka_python_config(config)
         kp.setdefault("client_id", "dualwrite-control-plane")
         kp["request_timeout_ms"] = int(timeout_s * 1000)

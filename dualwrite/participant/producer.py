@@ -17,6 +17,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from dualwrite.errors import (
+    ConfigurationError,
     DeliveryTimeoutError,
     DualWriteError,
     FatalError,
@@ -29,7 +30,11 @@ from dualwrite.errors import (
     RetriableError,
     TransactionStateError,
 )
-from dualwrite.participant.client_config import librdkafka_config
+from dualwrite.participant.client_config import (
+    check_kafka_config,
+    check_timeout,
+    librdkafka_config,
+)
 from dualwrite.participant.completion import OwnerAlive, complete
 from dualwrite.participant.control_plane import ControlPlane, TxnState
 from dualwrite.participant.coordinator_link import CoordinatorLinkWatch
@@ -72,11 +77,13 @@ class TwoPhaseProducer:
 
     def __init__(self, config: Mapping[str, Any], *, control_plane: ControlPlane | None = None,
                  timeout_s: float = 30.0) -> None:
+        config = check_kafka_config(config)
         tid = config.get("transactional.id")
-        if not tid:
-            raise FatalError("TwoPhaseProducer needs 'transactional.id' in its configuration")
-        self._tid = str(tid)
-        self._timeout_s = timeout_s
+        if not tid or not isinstance(tid, str):
+            raise ConfigurationError("TwoPhaseProducer needs 'transactional.id' (a non-empty str) "
+                                     "in its configuration")
+        self._tid = tid
+        self._timeout_s = timeout_s = check_timeout(timeout_s)
         self._owns_cp = control_plane is None
         self._cp = control_plane or ControlPlane(config, timeout_s=timeout_s)
         self._config = librdkafka_config(config)
@@ -216,7 +223,12 @@ class TwoPhaseProducer:
         self._start_librdkafka()
 
     def _start_librdkafka(self) -> None:
-        producer = Producer(self._config)
+        try:
+            producer = Producer(self._config)
+        except (KafkaException, TypeError, ValueError) as exc:
+            cause = exc.args[0].str() if isinstance(exc, KafkaException) else str(exc)
+            raise ConfigurationError(f"the Kafka configuration of {self._tid!r} is not valid: "
+                                     f"{cause}") from None
         try:
             producer.init_transactions(self._timeout_s)
         except KafkaException as exc:
