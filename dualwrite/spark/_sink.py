@@ -50,8 +50,8 @@ class ExactlyOnceSink:
                  batch_attempts: int = 3, migrate: bool = True,
                  max_participants: int | None = None) -> None:
         if "transactional.id" in kafka_config:
-            raise ConfigurationError("ExactlyOnceSink assigns transactional ids itself (a pool per sink); "
-                             "remove 'transactional.id' from kafka_config")
+            raise ConfigurationError("ExactlyOnceSink assigns transactional ids itself (a pool "
+                                     "per sink); remove 'transactional.id' from kafka_config")
         self.sink_id = check_sink_id(sink_id)
         self.topic = topic
         self.database_url = database_url
