@@ -377,7 +377,7 @@ class TwoPhaseProducer:
                                size=_size(key) + _size(value),
                                client_limit=int(self._config.get("message.max.bytes",
                                                                  1_000_000)))
-        if isinstance(refused, InvalidRecordError):
+        if refused is not None:  # refused by librdkafka itself: nothing was enqueued
             return refused
         return self._fail(exc, f"produce to {topic}")
 
@@ -410,6 +410,7 @@ class TwoPhaseProducer:
         produce, poll = self._producer.produce, self._producer.poll
         delivered = self._delivered
         count = 0
+        key = value = None
         try:
             for key, value in records:
                 while True:
