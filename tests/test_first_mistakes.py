@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import sqlalchemy as sa
@@ -29,6 +29,7 @@ from tests._kafka_helpers import read_committed
 pytestmark = pytest.mark.timeout(120)
 
 FAST_S = 5.0
+E = TypeVar("E", bound=Exception)
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ def _rows(db_url: str) -> list[str]:
         engine.dispose()
 
 
-def _write(writer: DualWriter, row: str, produce: Callable[[Any], None]) -> float:
+def _write(writer: DualWriter, row: str, produce: Callable[[Any], object]) -> float:
     """One transaction: a row, then ``produce(tx)``; its wall time."""
     started = time.monotonic()
     with writer.transaction() as tx:
@@ -63,8 +64,8 @@ def _write(writer: DualWriter, row: str, produce: Callable[[Any], None]) -> floa
     return time.monotonic() - started
 
 
-def _fails(writer: DualWriter, produce: Callable[[Any], None],
-           error: type[Exception]) -> tuple[pytest.ExceptionInfo[Exception], float]:
+def _fails(writer: DualWriter, produce: Callable[[Any], object],
+           error: type[E]) -> tuple[pytest.ExceptionInfo[E], float]:
     started = time.monotonic()
     with pytest.raises(error) as info:
         _write(writer, "lost", produce)
