@@ -37,6 +37,7 @@ from sqlalchemy.engine import URL, make_url
 
 from dualwrite.database.schema import STATE_TABLE, TRANSACTION_STATE, VERSION_TABLE
 from dualwrite.errors import (
+    ConfigurationError,
     DatabaseUnreachableError,
     DualWriteError,
     FatalError,
@@ -84,11 +85,35 @@ _IMMEDIATE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 _ALEMBIC_LOCK = threading.Lock()
 
 
+SUPPORTED_URLS = "sqlite:///path/to/file.db or postgresql://user@host:5432/dbname (psycopg 3)"
+_SUPPORTED_BACKENDS = frozenset({"sqlite", "postgresql"})
+
+
 def normalize_url(url: str | URL) -> URL:
-    """Parse ``url``; ``postgresql://`` and ``postgres://`` become ``postgresql+psycopg://``."""
-    parsed = make_url(url)
+    """Parse ``url``; ``postgresql://`` and ``postgres://`` become ``postgresql+psycopg://``.
+
+    :class:`ConfigurationError` if it is not a URL, or not one of a supported database: SQLite or
+    PostgreSQL (the text is shown only when it cannot hold a password).
+    """
+    if not isinstance(url, (str, URL)):
+        raise ConfigurationError(f"the database URL must be a str like {SUPPORTED_URLS}, not "
+                                 f"{type(url).__name__}")
+    try:
+        parsed = make_url(url)
+    except (sa.exc.ArgumentError, ValueError, TypeError) as exc:
+        shown = repr(url) if "@" not in str(url) else "(not shown: it may hold a password)"
+        hint = (f"; for a SQLite file say sqlite:///{url}" if isinstance(url, str)
+                and url and "://" not in url and "@" not in url else "")
+        raise ConfigurationError(f"{shown} is not a database URL ({type(exc).__name__}): use "
+                                 f"{SUPPORTED_URLS}{hint}") from None
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
+    backend = parsed.drivername.split("+", 1)[0]
+    if backend == "postgres":
+        parsed = parsed.set(drivername="postgresql+" + parsed.drivername.split("+", 1)[1])
+    elif backend not in _SUPPORTED_BACKENDS:
+        raise ConfigurationError(f"database {parsed.drivername!r} is not supported: dualwrite "
+                                 f"works with SQLite and PostgreSQL; use {SUPPORTED_URLS}")
     return parsed
 
 
@@ -129,14 +154,26 @@ def create_engine(url: str | URL, **kw: Any) -> Engine:
     connect_args: dict[str, Any] = dict(kw.pop("connect_args", None) or {})
     if backend == "sqlite":
         connect_args.setdefault("timeout", DEFAULT_SQLITE_BUSY_TIMEOUT_S)
-        engine = sa.create_engine(parsed, connect_args=connect_args, **kw)
+        engine = _sa_engine(parsed, connect_args, kw)
         _install_sqlite_hooks(engine)
         return engine
-    if backend == "postgresql":
-        if "connect_timeout" not in parsed.query:
-            connect_args.setdefault("connect_timeout", DEFAULT_PG_CONNECT_TIMEOUT_S)
-        kw.setdefault("pool_pre_ping", True)
-    return sa.create_engine(parsed, connect_args=connect_args, **kw)
+    if "connect_timeout" not in parsed.query:
+        connect_args.setdefault("connect_timeout", DEFAULT_PG_CONNECT_TIMEOUT_S)
+    kw.setdefault("pool_pre_ping", True)
+    return _sa_engine(parsed, connect_args, kw)
+
+
+def _sa_engine(url: URL, connect_args: dict[str, Any], kw: dict[str, Any]) -> Engine:
+    """SQLAlchemy's engine; a driver that is not installed or a URL it cannot take is a
+    :class:`ConfigurationError` naming the URL with its password masked."""
+    try:
+        return sa.create_engine(url, connect_args=connect_args, **kw)
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"the database driver for {url.drivername!r} is not installed ({exc}); "
+            "postgresql:// needs psycopg 3 (pip install 'psycopg[binary]')") from None
+    except (sa.exc.ArgumentError, ValueError, TypeError) as exc:
+        raise ConfigurationError(f"database URL {mask_url(url)}: {exc}") from None
 
 
 def _install_sqlite_hooks(engine: Engine) -> None:

@@ -37,6 +37,7 @@ from dualwrite.errors import (
     HeuristicAbortError,
     OutcomeUnreadableError,
 )
+from dualwrite.participant.client_config import check_kafka_config
 from dualwrite.participant.completion import (
     Prefetched,
     complete,
@@ -364,6 +365,7 @@ def recover(engine: Engine | str, kafka_config: Mapping[str, Any],
     its batch marked completed), after the application re-published the lost records.
     """
     started = time.monotonic()
+    kafka_config = check_kafka_config(kafka_config)  # bad input fails before any work
     engine = create_engine(engine) if isinstance(engine, str) else engine
     if transactional_ids is None:
         ids = [r.transactional_id for r in StateStore(engine).read_all()]
@@ -402,6 +404,7 @@ def status(engine: Engine | str, kafka_config: Mapping[str, Any], *,
     pool are reported under the sink: its in-doubt batch's participants, and the others as
     lingering (``dualwrite recover`` or the sink's next start aborts them).
     """
+    kafka_config = check_kafka_config(kafka_config)  # bad input fails before any work
     engine = create_engine(engine) if isinstance(engine, str) else engine
     rows: list[StateRow] = StateStore(engine).read_all()
     decisions = DecisionLog(engine)

@@ -25,6 +25,7 @@ from sqlalchemy import Connection, Engine
 
 from dualwrite.database import create_engine, database_error
 from dualwrite.errors import (
+    ConfigurationError,
     DatabaseUnreachableError,
     DualWriteError,
     FatalError,
@@ -35,6 +36,7 @@ from dualwrite.errors import (
     RetriableError,
     TransactionStateError,
 )
+from dualwrite.participant.client_config import check_kafka_config, check_timeout
 from dualwrite.participant.completion import committed_at_anchor
 from dualwrite.participant.identifiers import TopicPartition
 from dualwrite.participant.prepared_state import PreparedTxnState
@@ -204,24 +206,21 @@ class DualWriter:
                  verify: Literal["auto", "always"] = "auto",
                  hooks: PhaseHooks | None = None) -> None:
         if verify not in ("auto", "always"):
-            raise ValueError(f"verify must be 'auto' or 'always', not {verify!r}")
+            raise ConfigurationError(f"verify must be 'auto' or 'always', not {verify!r}")
         self._verify_mode = verify
         self._hooks = hooks if hooks is not None else _NO_HOOKS
-        try:
-            self._engine = create_engine(engine) if isinstance(engine, str) else engine
-        except (sa.exc.ArgumentError, ValueError) as exc:  # the text may show the password
-            raise FatalError("DualWriter: the database URL (not shown: it may hold a password) "
-                             "is not valid, or its driver is not installed "
-                             f"({type(exc).__name__})") from None
-        config = dict(kafka_config)
+        config = check_kafka_config(kafka_config)
+        timeout_s = check_timeout(timeout_s)
+        # Its errors name the URL with the password masked, or not at all.
+        self._engine = engine if isinstance(engine, Engine) else create_engine(engine)
         if "linger.ms" not in config and "queue.buffering.max.ms" not in config:
             # Records leave at once, in flight while the block writes its rows; librdkafka's
             # default (5 ms) would hold them until the prepare's flush.
             config["linger.ms"] = 0
         if transactional_id is not None:
             config["transactional.id"] = transactional_id
-        if not config.get("transactional.id"):
-            raise FatalError("DualWriter needs a transactional_id")
+        if not config.get("transactional.id") or not isinstance(config["transactional.id"], str):
+            raise ConfigurationError("DualWriter needs a transactional_id (a non-empty str)")
         self._tid = str(config["transactional.id"])
         self._config = config
         self._timeout_s = timeout_s
