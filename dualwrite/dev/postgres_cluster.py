@@ -107,13 +107,17 @@ class LocalPostgres(LocalServer):
         settings: Mapping[str, str] | None = None,
         backend: PgBackend = "auto",
         startup_timeout: float = 60.0,
+        standby_of: int | None = None,
     ) -> None:
+        """``standby_of``: the port of a local server (binaries backend) to stream from, as
+        :meth:`start_standby` does."""
         if backend not in ("auto", "binaries", "docker"):
             raise ValueError(f"backend must be 'auto', 'binaries' or 'docker', not {backend!r}")
         self.requested_backend: PgBackend = backend
         self.backend: Literal["binaries", "docker"] | None = None
         self.settings = {**DEFAULT_SETTINGS, **(settings or {})}
         self.startup_timeout = startup_timeout
+        self._standby_of = standby_of
         self._given_data_dir = data_dir
         self.data_dir: Path | None = data_dir
         self.port: int | None = None
@@ -148,7 +152,7 @@ class LocalPostgres(LocalServer):
             if self.backend == "docker":
                 self._start_docker()
             else:
-                self._start_binaries()
+                self._start_binaries(replica_of=self._standby_of)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.stop()
@@ -185,14 +189,8 @@ class LocalPostgres(LocalServer):
         if self.backend != "binaries" or self.port is None or self.data_dir is None:
             raise DevClusterError("a standby needs a started server of the binaries backend")
         standby = LocalPostgres(settings=self.settings, backend="binaries",
-                                startup_timeout=self.startup_timeout)
-        standby.backend = "binaries"
-        try:
-            standby._start_binaries(replica_of=self.port)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                standby.stop()
-            raise
+                                startup_timeout=self.startup_timeout, standby_of=self.port)
+        standby.start()
         return standby
 
     def promote(self, timeout_s: float = 60.0) -> None:

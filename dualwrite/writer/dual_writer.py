@@ -252,7 +252,9 @@ class DualWriter:
         if self._producer is None:
             # Claim the id (its state row, committed) before the session can act on Kafka: it
             # creates the row, so that recovery, which visits state rows, finds a crash in the
-            # very first transaction too.
+            # very first transaction too. A pooler that would make the lease meaningless is
+            # refused first (Leases.check_sessions).
+            self._leases.check_sessions()
             self._claim()
             producer = TwoPhaseProducer(self._config, timeout_s=self._timeout_s)
             producer.init_transactions(keep_prepared_txn=True)

@@ -10,15 +10,24 @@ id to its writer, and a second writer of the id waits for the holder to commit i
 transaction. A writer without the lease takes the row lock before it begins each transaction.
 
 PostgreSQL: a session-level advisory lock, held by the writer's own connection and released by
-the server when that session ends (also when the process dies). SQLite: an exclusive ``flock`` on
-a file beside the database file, released by the kernel when the process dies. An in-memory
-SQLite database has no leases (one process only): its writers always lock first.
+the server when that session ends (also when the process dies). It needs a server session of
+the writer's own: a direct connection, or a pooler in *session* pooling mode. A pooler in
+transaction (or statement) pooling mode, such as PgBouncer's ``pool_mode = transaction``, hands
+each transaction whatever server session is free, so a lock would stay with a pooled session (a
+crashed writer's forever) and another client could find itself holding it.
+:meth:`Leases.check_sessions` tells them apart once per engine and refuses such a pooler with a
+:class:`FatalError` naming it.
+
+SQLite: an exclusive ``flock`` on a file beside the database file, released by the kernel when
+the process dies. An in-memory SQLite database has no leases (one process only): its writers
+always lock first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,12 +39,16 @@ from dualwrite.database import (
     advisory_keys,
     database_error,
     lock_folder,
+    mask_url,
     try_file_lock,
     unreachable_error,
 )
 from dualwrite.errors import FatalError
 
 __all__ = ["HeldLeases", "Lease", "Leases"]
+
+# Engines whose connections were found to keep their server session (see check_sessions).
+_SESSION_CHECKED: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 class Lease:
@@ -77,12 +90,50 @@ class Leases:
     """Takes writer leases on one database (see the module docstring)."""
 
     def __init__(self, engine: Engine) -> None:
+        self._engine = engine
         self._dialect = engine.dialect.name
         self._dir = lock_folder(engine, ".dualwrite-leases")
 
     @property
     def supported(self) -> bool:
         return self._dialect == "postgresql" or self._dir is not None
+
+    def check_sessions(self) -> None:
+        """Refuse (:class:`FatalError`) a pooler that does not keep a client on one server
+        session; PostgreSQL only, once per engine (two connections, three short queries).
+
+        A client connection ``a`` asks for its server's pid and ends its transaction; a second
+        client ``b`` opens a transaction and asks too, then ``a`` asks again while ``b`` still
+        holds its transaction. Directly or under session pooling ``a`` keeps its server session
+        (its pid does not change and ``b`` has another). A transaction pooler gives ``a``'s
+        idle session to ``b`` (PgBouncer reuses the last released one) or gives ``a`` another.
+        """
+        engine = self._engine
+        if self._dialect != "postgresql" or engine in _SESSION_CHECKED:
+            return
+        pid = "SELECT pg_backend_pid()"
+        try:
+            with engine.connect() as a, engine.connect() as b:
+                first = a.exec_driver_sql(pid).scalar_one()
+                a.commit()
+                other = b.exec_driver_sql(pid).scalar_one()  # b's transaction stays open
+                again = first if other == first else a.exec_driver_sql(pid).scalar_one()
+                a.commit()
+                b.rollback()
+        except sa.exc.SQLAlchemyError as exc:
+            raise database_error(exc, engine.url) from exc
+        if other == first or again != first:
+            what = (f"another client connection was served by the same server session "
+                    f"(backend {first})" if other == first else
+                    f"one client connection was served by backend {first}, then by {again}")
+            raise FatalError(
+                f"the database {mask_url(engine.url)} is reached through a connection pooler "
+                f"in transaction (or statement) pooling mode, such as PgBouncer with pool_mode "
+                f"= transaction ({what}): dualwrite's writer leases are session advisory "
+                "locks and need a server session per client connection. Connect dualwrite "
+                "directly to PostgreSQL, or through a pooler in session pooling mode "
+                "(PgBouncer pool_mode = session); see README.md, \"Connection poolers\"")
+        _SESSION_CHECKED.add(engine)
 
     def try_acquire(self, conn: Connection, transactional_id: str) -> Lease | None:
         """Take ``transactional_id``'s lease without waiting; None if someone else holds it.
@@ -98,6 +149,7 @@ class Leases:
         if not ids or not self.supported:
             return {}
         if self._dialect == "postgresql":
+            self.check_sessions()
             keys = {tid: advisory_keys(b"dualwrite-lease", tid) for tid in ids}
             columns = ", ".join(f"pg_try_advisory_lock({k1}, {k2})" for k1, k2 in keys.values())
             got = conn.exec_driver_sql(f"SELECT {columns}").one()
@@ -116,6 +168,7 @@ class Leases:
         if not self.supported or not ids:
             yield HeldLeases(frozenset(ids), None)
             return
+        self.check_sessions()
         if self._dialect != "postgresql":
             taken = self._try_files(ids)
             try:
