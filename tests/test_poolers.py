@@ -37,14 +37,19 @@ WORKER = Path(__file__).with_name("crash_worker.py")
 
 
 @pytest.fixture(scope="module")
-def bouncers(postgres_url: str) -> Iterator[dict[PoolMode, LocalPgBouncer]]:
-    """One PgBouncer per pool mode in front of the session's PostgreSQL server."""
-    started: dict[PoolMode, LocalPgBouncer] = {}
+def bouncers(postgres_url: str) -> Iterator[dict[str, LocalPgBouncer]]:
+    """One PgBouncer per pool mode in front of the session's PostgreSQL server, and one in
+    transaction mode that hands out its idle server sessions oldest first (round robin)."""
+    kinds: dict[str, tuple[PoolMode, dict[str, str]]] = {
+        "session": ("session", {}), "transaction": ("transaction", {}),
+        "statement": ("statement", {}),
+        "transaction-round-robin": ("transaction", {"server_round_robin": "1"})}
+    started: dict[str, LocalPgBouncer] = {}
     try:
-        for mode in ("session", "transaction", "statement"):
-            bouncer = LocalPgBouncer(postgres_url, pool_mode=mode)
+        for name, (mode, settings) in kinds.items():
+            bouncer = LocalPgBouncer(postgres_url, pool_mode=mode, settings=settings)
             bouncer.start()
-            started[mode] = bouncer
+            started[name] = bouncer
         yield started
     finally:
         for bouncer in started.values():
@@ -98,7 +103,7 @@ class LiveWriter(threading.Thread):
 
 
 def test_session_pooling_crashes_and_recover_beside_live_writers(
-        bouncers: dict[PoolMode, LocalPgBouncer], database: str, kafka: Any, new_topic: Any,
+        bouncers: dict[str, LocalPgBouncer], database: str, kafka: Any, new_topic: Any,
         tmp_path: Path) -> None:
     """Through PgBouncer in session pooling: two live writers commit in a loop while a third
     is killed at crash points and `dualwrite recover` runs beside them after each kill; the
@@ -133,9 +138,9 @@ def test_session_pooling_crashes_and_recover_beside_live_writers(
     assert left_to_live["left-to-live-writer"] > 0, left_to_live
 
 
-@pytest.mark.parametrize("mode", ["transaction", "statement"])
+@pytest.mark.parametrize("mode", ["transaction", "transaction-round-robin", "statement"])
 def test_transaction_pooling_is_refused_at_start(
-        bouncers: dict[PoolMode, LocalPgBouncer], database: str, mode: PoolMode,
+        bouncers: dict[str, LocalPgBouncer], database: str, mode: str,
         bootstrap: str, topic: str) -> None:
     """The writer and recovery refuse a pooler that moves a client between server sessions,
     with a FatalError naming it and what works, before anything is written."""
@@ -158,7 +163,7 @@ def test_transaction_pooling_is_refused_at_start(
 
 
 def test_a_writer_killed_behind_a_transaction_pooler_is_not_left_to_a_ghost(
-        bouncers: dict[PoolMode, LocalPgBouncer], database: str, bootstrap: str,
+        bouncers: dict[str, LocalPgBouncer], database: str, bootstrap: str,
         topic: str) -> None:
     """A writer killed between its two commits behind PgBouncer in transaction pooling: its
     lease (a session lock) would stay on the pooled server session, and recovery would leave
@@ -192,7 +197,7 @@ def test_a_writer_killed_behind_a_transaction_pooler_is_not_left_to_a_ghost(
 
 
 def test_prepared_statements_are_off_on_dualwrites_engines(
-        bouncers: dict[PoolMode, LocalPgBouncer], database: str) -> None:
+        bouncers: dict[str, LocalPgBouncer], database: str) -> None:
     """psycopg prepares a statement it has run 5 times on that server session; behind a
     transaction pooler the next run can land on another session. dualwrite's create_engine turns
     that off; an engine made without it fails as the README warns."""

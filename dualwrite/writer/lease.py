@@ -49,6 +49,8 @@ __all__ = ["HeldLeases", "Lease", "Leases"]
 
 # Engines whose connections were found to keep their server session (see check_sessions).
 _SESSION_CHECKED: weakref.WeakSet[Engine] = weakref.WeakSet()
+# Rounds of that check.
+_PROBES = 3
 
 
 class Lease:
@@ -100,36 +102,49 @@ class Leases:
 
     def check_sessions(self) -> None:
         """Refuse (:class:`FatalError`) a pooler that does not keep a client on one server
-        session; PostgreSQL only, once per engine (two connections, three short queries).
+        session; PostgreSQL only, once per engine (two connections, a few short queries).
 
         A client connection ``a`` asks for its server's pid and ends its transaction; a second
         client ``b`` opens a transaction and asks too, then ``a`` asks again while ``b`` still
         holds its transaction. Directly or under session pooling ``a`` keeps its server session
         (its pid does not change and ``b`` has another). A transaction pooler gives ``a``'s
-        idle session to ``b`` (PgBouncer reuses the last released one) or gives ``a`` another.
+        idle session to ``b`` (PgBouncer reuses the last released one) or gives ``a`` another;
+        :data:`_PROBES` rounds, so that other clients of a busy pooler taking ``a``'s released
+        session in between cannot hide it.
         """
         engine = self._engine
         if self._dialect != "postgresql" or engine in _SESSION_CHECKED:
             return
         pid = "SELECT pg_backend_pid()"
+        moved: str | None = None
         try:
             with engine.connect() as a, engine.connect() as b:
+                if a.connection.dbapi_connection is b.connection.dbapi_connection:
+                    return  # a pool of one shared connection (StaticPool): nothing to compare
                 first = a.exec_driver_sql(pid).scalar_one()
                 a.commit()
-                other = b.exec_driver_sql(pid).scalar_one()  # b's transaction stays open
-                again = first if other == first else a.exec_driver_sql(pid).scalar_one()
-                a.commit()
+                for _ in range(_PROBES):
+                    other = b.exec_driver_sql(pid).scalar_one()  # b's transaction stays open
+                    if other == first:
+                        moved = ("another client connection was served by the same server "
+                                 f"session (backend {first})")
+                        break
+                    again = a.exec_driver_sql(pid).scalar_one()
+                    a.commit()
+                    b.rollback()
+                    if again != first:
+                        moved = (f"one client connection was served by backend {first}, then "
+                                 f"by {again}")
+                        break
+                a.rollback()
                 b.rollback()
         except sa.exc.SQLAlchemyError as exc:
             raise database_error(exc, engine.url) from exc
-        if other == first or again != first:
-            what = (f"another client connection was served by the same server session "
-                    f"(backend {first})" if other == first else
-                    f"one client connection was served by backend {first}, then by {again}")
+        if moved is not None:
             raise FatalError(
                 f"the database {mask_url(engine.url)} is reached through a connection pooler "
                 f"in transaction (or statement) pooling mode, such as PgBouncer with pool_mode "
-                f"= transaction ({what}): dualwrite's writer leases are session advisory "
+                f"= transaction ({moved}): dualwrite's writer leases are session advisory "
                 "locks and need a server session per client connection. Connect dualwrite "
                 "directly to PostgreSQL, or through a pooler in session pooling mode "
                 "(PgBouncer pool_mode = session); see README.md, \"Connection poolers\"")
