@@ -46,14 +46,15 @@ logger = logging.getLogger(__name__)
 _SUPPORTED_DIALECTS = ("postgresql", "sqlite")
 
 _IN_RECOVERY = "in recovery"
-#: PostgreSQL: which server, and which of its histories, runs this statement: the system
-#: identifier (shared by a primary and its standbys), the WAL timeline (a promotion starts a new
-#: one) and the postmaster's start time (a crash restart replays WAL and may hand out again
-#: transaction ids whose WAL was lost). A transaction id means the same transaction only while
-#: this stays the same. A standby in recovery has none (it runs no writes).
+#: PostgreSQL: which server process, and which history of the data, runs this statement: the
+#: postmaster's start time (another server, a promoted standby, a restart after a crash, which
+#: replays WAL and may hand out again transaction ids whose WAL was lost) and the WAL timeline (a
+#: promotion starts a new one). A transaction id means the same transaction only while this
+#: stays the same. A standby in recovery has none (it runs no writes). (The system identifier
+#: would add nothing: a standby shares it, another server has another start time; and reading
+#: it costs a read of pg_control on every lock.)
 SERVER_IDENTITY = (
     f"CASE WHEN pg_is_in_recovery() THEN '{_IN_RECOVERY}' ELSE "
-    "(SELECT system_identifier FROM pg_control_system())::text || '/' || "
     "substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) || '/' || "
     "pg_postmaster_start_time()::text END")
 
