@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 
@@ -28,6 +29,7 @@ from dualwrite import DualWriter, FatalError
 from dualwrite.database import normalize_url
 from dualwrite.dev import LocalPgBouncer
 from dualwrite.dev.pgbouncer import PoolMode
+from tests._kafka_helpers import read_committed
 from tests.crash_worker import EVENTS, row_ids
 from tests.test_crash_matrix import ROWS, TID_PREFIX, CrashLoop, prepare_database
 
@@ -223,3 +225,72 @@ def test_prepared_statements_are_off_on_dualwrites_engines(
             run(plain)
     finally:
         plain.dispose()
+
+
+def test_a_writer_whose_session_a_pooler_moves_later_is_refused(
+        postgres_url: str, database: str, bootstrap: str, topic: str) -> None:
+    """The start-up check can pass on a busy transaction pooler (other clients take and give
+    back server sessions in between); then the first transaction that runs on another server
+    session than the lease's is refused in the lock's round trip (fails without the check in
+    DualWriter._begin_and_lock: the writer commits beside a lease it no longer runs on).
+    Staged deterministically: PgBouncer starts in session pooling (the check passes), is
+    switched to transaction pooling on its admin console, the writer's server session is
+    terminated (it reconnects, in transaction pooling, and takes its lease again), and another
+    client holds the lease's server session in a transaction."""
+    direct = sa.make_url(postgres_url).set(database=database)
+    with LocalPgBouncer(postgres_url, pool_mode="session") as bouncer:
+        url = bouncer.url(database)
+        dsn = bouncer.url("pgbouncer").replace("postgresql+psycopg://", "postgresql://")
+        admin = sa.create_engine(direct, isolation_level="AUTOCOMMIT")
+        tid = f"{TID_PREFIX}moved-{uuid.uuid4().hex[:8]}"
+        holders: list[Any] = []
+        try:
+            with DualWriter(url, {"bootstrap.servers": bootstrap}, transactional_id=tid,
+                            timeout_s=20) as writer:
+                _write_event(writer, topic, 1)
+                with psycopg.connect(dsn, autocommit=True) as console:
+                    console.execute("SET pool_mode = 'transaction'")
+                with admin.connect() as conn:
+                    conn.execute(sa.text(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE datname = :db AND pid <> pg_backend_pid()"), {"db": database})
+                _write_event(writer, topic, 2)  # reconnected (in transaction pooling) ...
+                _write_event(writer, topic, 3)  # ... and locked first: the lease again
+                with admin.connect() as conn:
+                    lease_pid = conn.execute(sa.text(
+                        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                        "AND database = (SELECT oid FROM pg_database WHERE datname = :db)"),
+                        {"db": database}).scalar_one()
+                client = bouncer.url(database).replace("postgresql+psycopg://", "postgresql://")
+                while not any(pid == lease_pid for _, pid in holders):
+                    assert len(holders) < 20, "no client got the lease's server session"
+                    holder = psycopg.connect(client, prepare_threshold=None)
+                    row = holder.execute("SELECT pg_backend_pid()").fetchone()
+                    assert row is not None
+                    holders.append((holder, row[0]))  # its transaction stays open
+                with pytest.raises(FatalError) as refused:
+                    _write_event(writer, topic, 4)
+        finally:
+            for holder, _ in holders:
+                holder.close()
+            admin.dispose()
+    assert "transaction" in str(refused.value) and "session pooling" in str(refused.value)
+    report = dualwrite.recover(direct.render_as_string(hide_password=False),
+                               {"bootstrap.servers": bootstrap}, [tid], timeout_s=15)
+    assert report.ok, report.as_dict()
+    engine = dualwrite.create_engine(direct)
+    try:
+        with engine.connect() as conn:
+            rows = sorted(r[0] for r in conn.execute(sa.select(EVENTS.c.id)))
+    finally:
+        engine.dispose()
+    records = sorted(r.decode() for r in read_committed(bootstrap, topic))
+    assert rows == records == sorted(row_ids(1, ROWS) + row_ids(2, ROWS) + row_ids(3, ROWS))
+
+
+def _write_event(writer: DualWriter, topic: str, txn: int) -> None:
+    with writer.transaction() as tx:
+        ids = row_ids(txn, ROWS)
+        for key in ids:
+            tx.produce(topic, key, key=key)
+        tx.connection.execute(sa.insert(EVENTS), [{"id": i, "txn": txn} for i in ids])

@@ -39,7 +39,7 @@ from dualwrite.participant.completion import committed_at_anchor
 from dualwrite.participant.identifiers import TopicPartition
 from dualwrite.participant.prepared_state import PreparedTxnState
 from dualwrite.participant.producer import Headers, TwoPhaseProducer
-from dualwrite.writer.lease import Lease, Leases
+from dualwrite.writer.lease import Lease, Leases, pooler_error
 from dualwrite.writer.state_store import StateRow, StateStore, writer_connection
 
 __all__ = ["DualWriteTransaction", "DualWriter", "PhaseHooks"]
@@ -589,6 +589,13 @@ class DualWriter:
                     raise database_error(exc, self._engine.url) from exc
                 row = self._store.lock_row(conn, self._tid, timeout_s=self._timeout_s)
                 self._locked = row
+                held = self._lease.backend_pid if self._lease is not None else None
+                if None not in (held, row.locked_by_pid) and held != row.locked_by_pid:
+                    # The connection holding the lease is on another server session now: a
+                    # transaction pooler the start-up check did not catch (a busy one).
+                    raise pooler_error(self._engine, f"the writer's lease is held by backend "
+                                                     f"{held}, its transaction ran on "
+                                                     f"{row.locked_by_pid}")
                 return conn, row
             except BaseException as exc:
                 self._drop_connection()

@@ -16,7 +16,9 @@ transaction (or statement) pooling mode, such as PgBouncer's ``pool_mode = trans
 each transaction whatever server session is free, so a lock would stay with a pooled session (a
 crashed writer's forever) and another client could find itself holding it.
 :meth:`Leases.check_sessions` tells them apart once per engine and refuses such a pooler with a
-:class:`FatalError` naming it.
+:class:`FatalError` naming it (:func:`pooler_error`); as that cannot be certain on a busy pooler,
+a lease also records its server process, which the writer and recovery compare with the one
+that runs their row locks.
 
 SQLite: an exclusive ``flock`` on a file beside the database file, released by the kernel when
 the process dies. An in-memory SQLite database has no leases (one process only): its writers
@@ -45,7 +47,7 @@ from dualwrite.database import (
 )
 from dualwrite.errors import FatalError
 
-__all__ = ["HeldLeases", "Lease", "Leases"]
+__all__ = ["HeldLeases", "Lease", "Leases", "pooler_error"]
 
 # Engines whose connections were found to keep their server session (see check_sessions).
 _SESSION_CHECKED: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -53,12 +55,28 @@ _SESSION_CHECKED: weakref.WeakSet[Engine] = weakref.WeakSet()
 _PROBES = 3
 
 
+def pooler_error(engine: Engine, moved: str) -> FatalError:
+    """The refusal of a pooler that moves a client between server sessions; ``moved`` says
+    what showed it."""
+    return FatalError(
+        f"the database {mask_url(engine.url)} is reached through a connection pooler in "
+        f"transaction (or statement) pooling mode, such as PgBouncer with pool_mode = "
+        f"transaction ({moved}): dualwrite's writer leases are session advisory locks and need "
+        "a server session per client connection. Connect dualwrite directly to PostgreSQL, or "
+        "through a pooler in session pooling mode (PgBouncer pool_mode = session); see "
+        "README.md, \"Connection poolers\"")
+
+
 class Lease:
     """One held lease; :meth:`release` gives it back (idempotent)."""
 
     def __init__(self, transactional_id: str, *, conn: Connection | None = None,
-                 fd: int | None = None) -> None:
+                 fd: int | None = None, backend_pid: int | None = None) -> None:
         self.transactional_id = transactional_id
+        self.backend_pid = backend_pid
+        """PostgreSQL: the server process (``pg_backend_pid()``) whose session holds the lock;
+        a later transaction of the holding connection that runs on another one was moved by a
+        transaction pooler (:func:`pooler_error`)."""
         self._conn = conn
         self._fd = fd
 
@@ -86,6 +104,8 @@ class HeldLeases:
 
     ids: frozenset[str]
     connection: Connection | None
+    backend_pid: int | None = None
+    """PostgreSQL: the server process whose session holds them (see :attr:`Lease.backend_pid`)."""
 
 
 class Leases:
@@ -141,14 +161,21 @@ class Leases:
         except sa.exc.SQLAlchemyError as exc:
             raise database_error(exc, engine.url) from exc
         if moved is not None:
-            raise FatalError(
-                f"the database {mask_url(engine.url)} is reached through a connection pooler "
-                f"in transaction (or statement) pooling mode, such as PgBouncer with pool_mode "
-                f"= transaction ({moved}): dualwrite's writer leases are session advisory "
-                "locks and need a server session per client connection. Connect dualwrite "
-                "directly to PostgreSQL, or through a pooler in session pooling mode "
-                "(PgBouncer pool_mode = session); see README.md, \"Connection poolers\"")
+            raise pooler_error(engine, moved)
         _SESSION_CHECKED.add(engine)
+
+    def verify_session(self, conn: Connection, backend_pid: int | None) -> None:
+        """Raise :func:`pooler_error` unless ``conn``'s current transaction runs on the server
+        process ``backend_pid`` (the lease holder's; None: nothing to check)."""
+        if backend_pid is None:
+            return
+        try:
+            now = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+        except sa.exc.SQLAlchemyError as exc:
+            raise database_error(exc, self._engine.url) from exc
+        if now != backend_pid:
+            raise pooler_error(self._engine, f"the connection holding the leases on backend "
+                                             f"{backend_pid} ran a later transaction on {now}")
 
     def try_acquire(self, conn: Connection, transactional_id: str) -> Lease | None:
         """Take ``transactional_id``'s lease without waiting; None if someone else holds it.
@@ -167,8 +194,9 @@ class Leases:
             self.check_sessions()
             keys = {tid: advisory_keys(b"dualwrite-lease", tid) for tid in ids}
             columns = ", ".join(f"pg_try_advisory_lock({k1}, {k2})" for k1, k2 in keys.values())
-            got = conn.exec_driver_sql(f"SELECT {columns}").one()
-            return {tid: Lease(tid, conn=conn) for tid, ok in zip(ids, got, strict=True) if ok}
+            *got, pid = conn.exec_driver_sql(f"SELECT {columns}, pg_backend_pid()").one()
+            return {tid: Lease(tid, conn=conn, backend_pid=int(pid))
+                    for tid, ok in zip(ids, got, strict=True) if ok}
         return self._try_files(ids)
 
     @contextmanager
@@ -198,13 +226,14 @@ class Leases:
             raise unreachable_error(engine.url, exc) from exc
         with conn:
             try:
-                held = frozenset(self.try_acquire_many(conn, ids))
+                taken = self.try_acquire_many(conn, ids)
                 conn.commit()  # session-level locks outlive the transaction
             except sa.exc.DBAPIError as exc:
                 conn.invalidate()
                 raise database_error(exc, engine.url) from exc
             try:
-                yield HeldLeases(held, conn)
+                pids = {lease.backend_pid for lease in taken.values()}
+                yield HeldLeases(frozenset(taken), conn, pids.pop() if pids else None)
             finally:
                 try:
                     conn.exec_driver_sql("SELECT pg_advisory_unlock_all()")

@@ -75,6 +75,9 @@ class StateRow:
     """PostgreSQL: the id (``txid_current()``) of the transaction that locked the row, when the
     row comes from :meth:`StateStore.lock_row`; it names that one database transaction, so its
     outcome can be asked after a failed COMMIT (:meth:`StateStore.commit_status`)."""
+    locked_by_pid: int | None = None
+    """PostgreSQL, with ``locked_by_xid``: the server process (``pg_backend_pid()``) that ran
+    the locking transaction; the writer compares it with its lease's."""
     locked_on: str | None = None
     """PostgreSQL, with ``locked_by_xid``: the server that ran the locking transaction (its
     :data:`SERVER_IDENTITY`). A transaction id names one transaction on that server only: a
@@ -105,10 +108,12 @@ def _utc(value: datetime) -> datetime:
 
 def _state_row(row: Any) -> StateRow:
     """A row selected or returned in the order of ``StateStore._columns`` (then, when locked on
-    PostgreSQL, the locking transaction's id and its server's :data:`SERVER_IDENTITY`)."""
+    PostgreSQL, the locking transaction's id, its server process and its server's
+    :data:`SERVER_IDENTITY`)."""
     xid = int(row[4]) if len(row) > 4 and row[4] is not None else None
-    server = str(row[5]) if len(row) > 5 and row[5] is not None else None
-    return StateRow(str(row[0]), str(row[1]), _utc(row[2]), int(row[3]), xid, server)
+    pid = int(row[5]) if len(row) > 5 and row[5] is not None else None
+    server = str(row[6]) if len(row) > 6 and row[6] is not None else None
+    return StateRow(str(row[0]), str(row[1]), _utc(row[2]), int(row[3]), xid, pid, server)
 
 
 def _require_transaction(conn: Connection, method: str) -> None:
@@ -202,7 +207,7 @@ class StateStore:
             "VALUES (%s, '', %s) ON CONFLICT (transactional_id) "
             "DO UPDATE SET transactional_id = EXCLUDED.transactional_id "
             "RETURNING transactional_id, prepared_txn_state, updated_at, fencing_generation, "
-            f"txid_current(), {SERVER_IDENTITY}")
+            f"txid_current(), pg_backend_pid(), {SERVER_IDENTITY}")
         self._pg_write_sql = (f"UPDATE {quoted} SET prepared_txn_state = %s, updated_at = %s "
                               "WHERE transactional_id = %s")
 
@@ -244,6 +249,7 @@ class StateStore:
                           .on_conflict_do_update(index_elements=[t.c.transactional_id],
                                                  set_={"transactional_id": tid})
                           .returning(*self._columns, sa.func.txid_current(),
+                                     sa.func.pg_backend_pid(),
                                      sa.literal_column(SERVER_IDENTITY)))
                 found = conn.execute(upsert).one()
             else:
