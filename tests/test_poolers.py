@@ -26,7 +26,7 @@ import sqlalchemy as sa
 
 import dualwrite
 from dualwrite import DualWriter, FatalError
-from dualwrite.database import normalize_url
+from dualwrite.database import advisory_keys, normalize_url
 from dualwrite.dev import LocalPgBouncer
 from dualwrite.dev.pgbouncer import PoolMode
 from tests._kafka_helpers import read_committed
@@ -294,3 +294,35 @@ def _write_event(writer: DualWriter, topic: str, txn: int) -> None:
         for key in ids:
             tx.produce(topic, key, key=key)
         tx.connection.execute(sa.insert(EVENTS), [{"id": i, "txn": txn} for i in ids])
+
+
+def test_a_lease_left_on_a_pooled_server_session_is_not_taken_again(
+        postgres_url: str, database: str, bootstrap: str, topic: str) -> None:
+    """PgBouncer in session pooling without ``server_reset_query``: a client that held a
+    writer's lease goes away (as a killed writer does) and its server session, lock and all,
+    serves the next client. ``pg_try_advisory_lock`` would "take" that lease again (advisory
+    locks are re-entrant) beside its holder; the writer and recovery refuse instead, naming the
+    pooler and DISCARD ALL (fails without Leases' check of locks a new connection inherited)."""
+    tid = f"{TID_PREFIX}inherit-{uuid.uuid4().hex[:8]}"
+    k1, k2 = advisory_keys(b"dualwrite-lease", tid)
+    with LocalPgBouncer(postgres_url, pool_mode="session",
+                        settings={"server_reset_query": ""}) as bouncer:
+        url = bouncer.url(database)
+        with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"),
+                             autocommit=True) as holder:
+            assert holder.execute("SELECT pg_try_advisory_lock(%s, %s)", (k1, k2)).fetchone()
+        # Each connection a new client: PgBouncer hands out the last released server session.
+        engine = dualwrite.create_engine(url, poolclass=sa.pool.NullPool)
+        try:
+            with (DualWriter(engine, {"bootstrap.servers": bootstrap},
+                             transactional_id=tid) as writer,
+                  pytest.raises(FatalError) as refused, writer.transaction() as tx):
+                tx.produce(topic, b"x", key="x")
+            report = dualwrite.recover(engine, {"bootstrap.servers": bootstrap}, [tid],
+                                       timeout_s=15)
+        finally:
+            engine.dispose()
+    assert "DISCARD ALL" in str(refused.value), refused.value
+    assert [r.outcome.value for r in report.results] == ["failed"], report.as_dict()
+    assert "DISCARD ALL" in report.results[0].detail
+    assert read_committed(bootstrap, topic, 5) == []

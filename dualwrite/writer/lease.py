@@ -193,6 +193,7 @@ class Leases:
         if self._dialect == "postgresql":
             self.check_sessions()
             keys = {tid: advisory_keys(b"dualwrite-lease", tid) for tid in ids}
+            self._refuse_inherited(conn, list(keys.values()))
             columns = ", ".join(f"pg_try_advisory_lock({k1}, {k2})" for k1, k2 in keys.values())
             *got, pid = conn.exec_driver_sql(f"SELECT {columns}, pg_backend_pid()").one()
             return {tid: Lease(tid, conn=conn, backend_pid=int(pid))
@@ -240,6 +241,22 @@ class Leases:
                     conn.commit()
                 except sa.exc.SQLAlchemyError:
                     conn.invalidate()  # closing the session releases them
+
+    def _refuse_inherited(self, conn: Connection, keys: list[tuple[int, int]]) -> None:
+        """Raise :func:`pooler_error` if ``conn``'s server session already holds one of these
+        leases: the caller has taken none on this connection, so it inherited another client's
+        session (a transaction pooler, or session pooling without ``DISCARD ALL`` between
+        clients), where ``pg_try_advisory_lock`` would "take" a lease its holder still uses."""
+        pairs = ", ".join(f"({k1 & 0xFFFFFFFF}, {k2 & 0xFFFFFFFF})" for k1, k2 in keys)
+        found = conn.exec_driver_sql(
+            "SELECT count(*), pg_backend_pid() FROM pg_locks WHERE locktype = 'advisory' "
+            "AND pid = pg_backend_pid() AND objsubid = 2 "
+            f"AND (classid::bigint, objid::bigint) IN ({pairs})").one()
+        if found[0]:
+            raise pooler_error(
+                self._engine, f"a client connection that took no writer lease found {found[0]} "
+                f"held by its server session (backend {found[1]}), left by another client; "
+                "under session pooling, keep PgBouncer's server_reset_query = DISCARD ALL")
 
     def _try_files(self, ids: list[str]) -> dict[str, Lease]:
         assert self._dir is not None
