@@ -145,7 +145,10 @@ def create_engine(url: str | URL, **kw: Any) -> Engine:
     ``conn.execution_options(dualwrite_sqlite_begin="DEFERRED")`` before it begins.
 
     PostgreSQL: ``postgresql://`` means psycopg 3; ``connect_timeout`` defaults to 10 s and
-    ``pool_pre_ping`` to True, so a restarted server costs a reconnect, not an error.
+    ``pool_pre_ping`` to True, so a restarted server costs a reconnect, not an error. psycopg's
+    automatic server-side prepared statements are off (``prepare_threshold=None``): behind a
+    pooler that hands each transaction another server session (PgBouncer's transaction
+    pooling) a statement prepared in one session is missing in the next.
 
     Other keyword arguments go to :func:`sqlalchemy.create_engine`.
     """
@@ -159,6 +162,8 @@ def create_engine(url: str | URL, **kw: Any) -> Engine:
         return engine
     if "connect_timeout" not in parsed.query:
         connect_args.setdefault("connect_timeout", DEFAULT_PG_CONNECT_TIMEOUT_S)
+    if parsed.get_driver_name() == "psycopg":
+        connect_args.setdefault("prepare_threshold", None)
     kw.setdefault("pool_pre_ping", True)
     return _sa_engine(parsed, connect_args, kw)
 
@@ -231,6 +236,9 @@ _LOCK_NOT_AVAILABLE = "55P03"
 _MISSING_SCHEMA_SQLSTATES = frozenset({"42P01", "42703"})
 _SQLITE_MISSING_SCHEMA = ("no such table", "no such column", "has no column named")
 _SQLITE_BUSY = ("database is locked", "database table is locked", "database is busy")
+#: PgBouncer in statement pooling refuses every transaction block (SQLSTATE 08P01, which would
+#: otherwise read as a lost connection): no retry helps.
+_STATEMENT_POOLING = "transaction blocks not allowed in statement pooling mode"
 
 
 def _sqlstate(orig: BaseException | None) -> str | None:
@@ -270,6 +278,8 @@ def database_error(exc: BaseException, url: URL, *, table: str | None = None) ->
     The one translation layer of the database side; chain it (``raise database_error(exc, url)
     from exc``). Grouped by what the caller does next:
 
+    - PgBouncer's refusal of transactions in statement pooling mode: :class:`FatalError`
+      (connect directly or through session pooling);
     - connection lost, cannot connect, server shutting down or restarting (SQLSTATE class 08,
       57P01-57P03, 57P05, 25P03, 53300, an invalidated connection, psycopg's errors without a
       SQLSTATE, a pool timeout): :class:`DatabaseUnreachableError` (retry);
@@ -291,6 +301,12 @@ def database_error(exc: BaseException, url: URL, *, table: str | None = None) ->
     where = mask_url(url)
     detail = _driver_detail(url, exc)
     state = _sqlstate(orig)
+    if _STATEMENT_POOLING in detail:
+        return FatalError(
+            f"the database {where} is reached through a connection pooler in statement pooling "
+            f"mode ({detail}): dualwrite needs transactions and a server session per client "
+            "connection. Connect dualwrite directly to PostgreSQL, or through a pooler in "
+            "session pooling mode (PgBouncer pool_mode = session)")
     if _connection_lost(exc, orig):
         return unreachable_error(url, exc)
     if state == _LOCK_NOT_AVAILABLE or (

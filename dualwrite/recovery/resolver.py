@@ -152,8 +152,8 @@ class RecoveryRun:
                     for tid in ids if tid not in held.ids}
                 acting = [tid for tid in ids if tid in held.ids]
                 if acting:
-                    results.update(self._resolve_held(held.connection, acting, first_pass,
-                                                      stored))
+                    results.update(self._resolve_held(held.connection, held.backend_pid,
+                                                      acting, first_pass, stored))
                 return [results[tid] for tid in ids]
         except (BrokerUnreachableError, DatabaseUnreachableError) as exc:
             return [RecoveryResult(tid, stored.get(tid, ""), Outcome.FAILED, str(exc),
@@ -163,15 +163,17 @@ class RecoveryRun:
             return [RecoveryResult(tid, stored.get(tid, ""), Outcome.FAILED, str(exc),
                                    fatal=isinstance(exc, FatalError)) for tid in ids]
 
-    def _resolve_held(self, lease_conn: Connection | None, ids: Sequence[str],
-                      first_pass: bool, stored: dict[str, str]
+    def _resolve_held(self, lease_conn: Connection | None, lease_pid: int | None,
+                      ids: Sequence[str], first_pass: bool, stored: dict[str, str]
                       ) -> dict[str, RecoveryResult | None]:
         """:meth:`_resolve_chunk` for ids whose leases recovery holds (on ``lease_conn``'s
-        session, which then does the work too: one connection per chunk). Fills ``stored`` with
-        each id's state text as read, for the chunk's failure report."""
+        session, server process ``lease_pid``, which then does the work too: one connection
+        per chunk). Fills ``stored`` with each id's state text as read, for the chunk's failure
+        report."""
         results: dict[str, RecoveryResult | None] = {}
         claimed = self._store.claim(ids, connection=lease_conn)
         with transaction(self._engine, connection=lease_conn) as conn:
+            self._leases.verify_session(conn, lease_pid)
             states: dict[str, PreparedTxnState] = {}
             for tid, row in self._store.lock_rows(conn, ids).items():
                 text = stored[tid] = row.prepared_txn_state

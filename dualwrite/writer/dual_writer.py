@@ -41,7 +41,7 @@ from dualwrite.participant.completion import committed_at_anchor
 from dualwrite.participant.identifiers import TopicPartition
 from dualwrite.participant.prepared_state import PreparedTxnState
 from dualwrite.participant.producer import Headers, TwoPhaseProducer
-from dualwrite.writer.lease import Lease, Leases
+from dualwrite.writer.lease import Lease, Leases, pooler_error
 from dualwrite.writer.state_store import StateRow, StateStore, writer_connection
 
 __all__ = ["DualWriteTransaction", "DualWriter", "PhaseHooks"]
@@ -237,8 +237,9 @@ class DualWriter:
         self._leases = Leases(self._engine)
         self._lease: Lease | None = None
         """Held while this writer may begin transactions before taking the row lock."""
-        self._locked_xid: int | None = None
-        """PostgreSQL: the database transaction holding the row lock (names the decision)."""
+        self._locked: StateRow | None = None
+        """The row as locked by the database transaction holding the lock; on PostgreSQL its
+        transaction id and server name the decision (:meth:`StateStore.commit_status`)."""
         self._helper = ThreadPoolExecutor(1, thread_name_prefix=f"dualwrite-{self._tid}")
 
     @property
@@ -250,7 +251,9 @@ class DualWriter:
         if self._producer is None:
             # Claim the id (its state row, committed) before the session can act on Kafka: it
             # creates the row, so that recovery, which visits state rows, finds a crash in the
-            # very first transaction too.
+            # very first transaction too. A pooler that would make the lease meaningless is
+            # refused first (Leases.check_sessions).
+            self._leases.check_sessions()
             self._claim()
             producer = TwoPhaseProducer(self._config, timeout_s=self._timeout_s)
             producer.init_transactions(keep_prepared_txn=True)
@@ -584,7 +587,14 @@ class DualWriter:
                 except sa.exc.SQLAlchemyError as exc:
                     raise database_error(exc, self._engine.url) from exc
                 row = self._store.lock_row(conn, self._tid, timeout_s=self._timeout_s)
-                self._locked_xid = row.locked_by_xid
+                self._locked = row
+                held = self._lease.backend_pid if self._lease is not None else None
+                if None not in (held, row.locked_by_pid) and held != row.locked_by_pid:
+                    # The connection holding the lease is on another server session now: a
+                    # transaction pooler the start-up check did not catch (a busy one).
+                    raise pooler_error(self._engine, f"the writer's lease is held by backend "
+                                                     f"{held}, its transaction ran on "
+                                                     f"{row.locked_by_pid}")
                 return conn, row
             except BaseException as exc:
                 self._drop_connection()
@@ -642,9 +652,9 @@ class DualWriter:
             # comes from ``conn.commit()``.
             log.warning("database COMMIT of transactional_id=%s state=%s failed (%s); asking the "
                         "database for the outcome", self._tid, state, exc.__class__.__name__)
-            xid = self._locked_xid
+            locked = self._locked
             self._drop_connection()  # a failed pipeline can leave the row locked until then
-            if not self._database_committed(state, xid):
+            if not self._database_committed(state, locked):
                 self._abort_quietly(producer)
                 if isinstance(exc, DualWriteError):
                     raise
@@ -653,17 +663,20 @@ class DualWriter:
         self._hooks.database_committed(state)
         producer.commit_transaction()
 
-    def _database_committed(self, state: PreparedTxnState, xid: int | None) -> bool:
-        """Whether the decision's database transaction committed: asked by its id, never by
-        comparing stored states (an empty block stores the same ``""`` as before, and recovery
-        may clear a state in between). Waits, bounded, while it is still in progress.
+    def _database_committed(self, state: PreparedTxnState, locked: StateRow | None) -> bool:
+        """Whether the decision's database transaction committed: asked by its id of the server
+        that ran it, never by comparing stored states alone (an empty block stores the same
+        ``""`` as before, and recovery may clear a state in between); after a failover or crash
+        restart, where the id may name another transaction, by the state row version it wrote
+        (:meth:`StateStore.commit_status`). Waits, bounded, while it is still in progress.
 
         SQLite (no ``xid``): a COMMIT that raised was not applied — SQLite commits atomically,
         and a failed COMMIT leaves the transaction open (busy) or rolls it back (I/O error).
         """
         unknown = (f"the database COMMIT of transactional_id={self._tid} state={state} has an "
                    "unknown outcome")
-        if xid is None:
+        xid = locked.locked_by_xid if locked is not None else None
+        if locked is None or xid is None:
             if self._engine.dialect.name == "sqlite":
                 return False
             raise OutcomeUnknownError(f"{unknown}: the lock returned no transaction id to ask "
@@ -671,7 +684,7 @@ class DualWriter:
         deadline = time.monotonic() + self._timeout_s
         while True:
             try:
-                status = self._store.transaction_status(xid)
+                status = self._store.commit_status(locked, str(state))
             except DatabaseUnreachableError as exc:
                 # A restarting server or a cut connection: ask again until the deadline. The
                 # outcome is not known, so it must not reach the caller as "retry".
@@ -688,8 +701,9 @@ class DualWriter:
             if status is None or time.monotonic() > deadline:
                 raise OutcomeUnknownError(
                     f"{unknown}: the database reports transaction {xid} as "
-                    f"{status or 'unknown'}; the Kafka transaction stays open: run `dualwrite "
-                    "recover` once the database transaction has ended")
+                    f"{status or 'unknown (too old, or run by a server it failed over from)'}; "
+                    "the Kafka transaction stays open: run `dualwrite recover` once the "
+                    "database transaction has ended (it decides by the state row)")
             time.sleep(0.05)
 
     def _abort_quietly(self, producer: TwoPhaseProducer) -> None:
