@@ -39,18 +39,30 @@ __all__ = ["HeldLeases", "Lease", "Leases"]
 
 
 class Lease:
-    """One held lease; :meth:`release` gives it back (idempotent)."""
+    """One held lease; :meth:`release` gives it back (idempotent).
+
+    On PostgreSQL ``backend_pid`` names the server session that holds it: a holder checks that
+    its connection still runs that very session (:meth:`held_by_session`) before relying on it.
+    """
 
     def __init__(self, transactional_id: str, *, conn: Connection | None = None,
-                 fd: int | None = None) -> None:
+                 fd: int | None = None, backend_pid: int | None = None) -> None:
         self.transactional_id = transactional_id
         self._conn = conn
         self._fd = fd
+        self.backend_pid = backend_pid
 
     @property
     def ends_with_connection(self) -> bool:
         """The lease is the connection's (PostgreSQL): losing the connection loses the lease."""
         return self._conn is not None
+
+    def held_by_session(self, backend_pid: int) -> bool:
+        """Whether the session answering as ``backend_pid`` (``pg_backend_pid()`` asked on the
+        holding connection) is the one that took the lease. A server restart, a terminated
+        backend or a pooler handing out another server connection each show as another pid
+        (or as a failed question): the lease may then have been someone else's meanwhile."""
+        return self._conn is not None and self.backend_pid == backend_pid
 
     def release(self) -> None:
         """Give the lease back. On PostgreSQL that closes the holding connection: the session
@@ -100,8 +112,9 @@ class Leases:
         if self._dialect == "postgresql":
             keys = {tid: advisory_keys(b"dualwrite-lease", tid) for tid in ids}
             columns = ", ".join(f"pg_try_advisory_lock({k1}, {k2})" for k1, k2 in keys.values())
-            got = conn.exec_driver_sql(f"SELECT {columns}").one()
-            return {tid: Lease(tid, conn=conn) for tid, ok in zip(ids, got, strict=True) if ok}
+            backend_pid, *got = conn.exec_driver_sql(f"SELECT pg_backend_pid(), {columns}").one()
+            return {tid: Lease(tid, conn=conn, backend_pid=int(backend_pid))
+                    for tid, ok in zip(ids, got, strict=True) if ok}
         return self._try_files(ids)
 
     @contextmanager
