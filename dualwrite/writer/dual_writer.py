@@ -8,7 +8,9 @@ Once a writer's session is established and it holds its id's lease (:mod:`dualwr
 the lock waits for the block's first record or first use of the database: a record produced first is
 on its way while the lock is taken, and the row's fencing generation, read under the lock, tells
 whether anyone could have ended or fenced its transaction meanwhile (then it starts over; see
-"Claims" and "Leases" in docs/design.md).
+"Claims" and "Leases" in docs/design.md). After each Kafka commit the writer checks that the
+session holding its lease is still the one that took it; a lost session means a new producer
+session and a lock first ("The lease under session loss").
 """
 
 from __future__ import annotations
@@ -565,7 +567,7 @@ class DualWriter:
                                transactional_id=self._tid, state=str(left)):
             raise HeuristicCommitError(
                 self._tid, str(left), "another process committed it by producer id and epoch "
-                "while this writer's lease was lost with its database session")
+                "before this writer's lock was granted")
         log.info("transactional_id=%s: the records sent before the lock were aborted (%s); "
                  "sending them again", self._tid, left)
 
