@@ -11,8 +11,8 @@ commits, so an immediate shutdown loses no acknowledged COMMIT) and the shared K
   ``dualwrite.recover`` in a loop, while every client session of the database is terminated
   every few seconds (``pg_terminate_backend``), or the server is restarted immediately. Then:
   read_committed records == rows, nothing duplicated or lost, nothing left open, no heuristic
-  outcome anywhere, only retriable errors reaching the application. The sessions killed and the
-  transactions committed are printed. ``--soak`` runs each loop for five minutes.
+  outcome anywhere, only typed retriable or recoverable errors reaching the application. The
+  sessions killed and the transactions committed are printed. ``--soak``: five minutes each.
 """
 
 from __future__ import annotations
@@ -246,8 +246,13 @@ def test_two_writers_and_recover_in_a_loop_while_every_session_is_killed(
                f"{dict(recovering.outcomes)}, raised {dict(recovering.raised)}")
     with capsys.disabled():
         print(f"\n{summary}\n{metrics.report()}")
-    bad = {k: v for k, v in metrics.anomalies.items() if v}
+    # The issue's invariant. A COMMIT cut by a restart may leave its outcome to recovery
+    # (OutcomeUnknownError, recoverable): allowed here, unlike a heuristic outcome.
+    bad = {k: v for k, v in metrics.anomalies.items()
+           if v and k != "non-retriable dualwrite errors"}
     assert not bad, f"anomalies {bad}:\n{metrics.report()}"
+    families = Counter(e["family"] for e in runner.events() if e["e"] == "error")
+    assert set(families) <= {"retriable", "recoverable"}, f"{families}\n{metrics.report()}"
     assert recovering.heuristic == []
     assert killer.rounds >= 3 and killer.sessions_killed >= killer.rounds
     assert metrics.committed > 20 and recovering.passes > 3
