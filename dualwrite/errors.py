@@ -221,10 +221,10 @@ class HeuristicCommitError(HeuristicOutcomeError):
     """Kafka committed records that no database decision covers.
 
     A writer's records left before its state-row lock was granted and another process then
-    committed them by (producer id, epoch) — possible only after the writer's lease was lost
-    with its database session (see "Leases" in docs/design.md). The block stops before it wrote
-    anything; the records it names are visible without their rows: compensate, or write the
-    rows that match them.
+    committed them by (producer id, epoch). A guard: the lease rules (see "Leases" in
+    docs/design.md) leave that only to a process that does so without claiming the id first.
+    The block stops before it wrote anything; the records it names are visible without their
+    rows: compensate, or write the rows that match them.
     """
 
     def __init__(self, transactional_id: str, state: str, detail: str) -> None:

@@ -8,7 +8,9 @@ Once a writer's session is established and it holds its id's lease (:mod:`dualwr
 the lock waits for the block's first record or first use of the database: a record produced first is
 on its way while the lock is taken, and the row's fencing generation, read under the lock, tells
 whether anyone could have ended or fenced its transaction meanwhile (then it starts over; see
-"Claims" and "Leases" in docs/design.md).
+"Claims" and "Leases" in docs/design.md). After each Kafka commit the writer checks that the
+session holding its lease is still the one that took it; a lost session means a new producer
+session and a lock first ("The lease under session loss").
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -240,6 +242,8 @@ class DualWriter:
         self._locked: StateRow | None = None
         """The row as locked by the database transaction holding the lock; on PostgreSQL its
         transaction id and server name the decision (:meth:`StateStore.commit_status`)."""
+        self._lease_check: Future[str] | None = None
+        """The check of the lease begun after the last Kafka commit (:meth:`_check_lease`)."""
         self._helper = ThreadPoolExecutor(1, thread_name_prefix=f"dualwrite-{self._tid}")
 
     @property
@@ -272,6 +276,7 @@ class DualWriter:
                     log.info("could not clear the state of transactional_id=%s: %s", self._tid,
                              exc)
             producer.close()
+        self._lease_verdict()  # a check still running uses the connection
         self._drop_connection()
         if self._lease is not None:
             self._lease.release()
@@ -333,6 +338,65 @@ class DualWriter:
                          "row after their first record", self._tid)
         return self._lease is not None
 
+    def _lease_intact(self) -> bool:
+        """Whether the next transaction may begin before its row lock.
+
+        Only while this writer's lease has been held without a break since its last Kafka
+        commit. Recovery (or a second writer) commits a transaction by (producer id, epoch) only
+        once it holds the lease, and only if it found that transaction open: before this
+        writer's Kafka commit of it. A check after that commit which finds the session that
+        took the lease still running, and the id unclaimed, proves nobody did; the session lost
+        instead (a restart, pg_terminate_backend, idle_session_timeout, a failover), someone
+        may have, with an EndTxn still on its way that would land on the next transaction of
+        this session. So the writer starts a new producer session (the epoch moves and such a
+        request is refused) and locks first. The lease lost later than the check changes
+        nothing: the transactions begun since are not decided yet, so whoever acts can only
+        abort them, and the late lock shows their claim (then the writer starts over, again
+        in a new session).
+        """
+        verdict = self._lease_verdict()
+        if self._generation is None or self._lease is None:
+            return False
+        if not self._lease.ends_with_connection:
+            return True  # a file lock: held as long as this process lives
+        if verdict is None:  # no Kafka commit since the lease was taken: ask now
+            verdict = self._check_lease()
+            self._lease_check = None
+        if verdict == "intact":
+            return True
+        if verdict == "lost":
+            log.warning("transactional_id=%s: the database session that held the lease ended "
+                        "(server restart, terminated backend, failover?); starting a new "
+                        "producer session and locking first", self._tid)
+            self._drop_connection()
+            self._close_producer()
+            self._generation = None
+        else:
+            self._lease_check = None  # claimed: locking first settles it
+        return False
+
+    def _lease_verdict(self) -> str | None:
+        """The answer of the check begun after the last Kafka commit (waited for), if any."""
+        check = self._lease_check
+        return None if check is None else check.result()
+
+    def _check_lease(self) -> str:
+        """``"intact"``: the writer's connection still runs the session that took the lease
+        and the id's generation is still this writer's; ``"claimed"``: someone claimed it;
+        ``"lost"``: the session is another one, or did not answer."""
+        conn, lease, generation = self._conn, self._lease, self._generation
+        if conn is None or lease is None:
+            return "lost"
+        try:
+            stored, backend_pid = self._store.generation_on(conn, self._tid)
+        except DualWriteError as exc:
+            log.info("transactional_id=%s: checking the lease's session failed (%s)", self._tid,
+                     exc)
+            return "lost"
+        if not lease.held_by_session(backend_pid):
+            return "lost"
+        return "intact" if stored == generation else "claimed"
+
     @contextmanager
     def transaction(self) -> Iterator[DualWriteTransaction]:
         """One atomic unit: rows written with ``tx.connection`` and records from ``tx.produce``.
@@ -345,12 +409,13 @@ class DualWriter:
             # The last transaction could not be ended (its abort or commit failed): a new
             # session finishes it from the stored state, as after a restart.
             self._close_producer()
+        late = self._lease_intact()
         producer = self.producer
-        if self._generation is not None and self._lease is not None and producer.ready:
+        if late and producer.ready:
             producer.begin_transaction()
             tx = DualWriteTransaction(None, producer, self._lock_late)
         else:
-            conn = self._lock_and_settle(producer)
+            conn, producer = self._lock_and_settle(producer)
             try:
                 self._hooks.locked()
                 producer.begin_transaction()
@@ -390,6 +455,11 @@ class DualWriter:
             self._generation = self._claimed = None
             raise
         self._settled = str(state)
+        self._lease_check = None
+        if self._lease is not None and self._lease.ends_with_connection:
+            # Only now, after the Kafka commit: see _lease_intact. In the background, so that
+            # it costs the next transaction nothing if the application pauses in between.
+            self._lease_check = self._helper.submit(self._check_lease)
         self._hooks.kafka_committed(state)
 
     def _flush(self, tx: DualWriteTransaction, producer: TwoPhaseProducer) -> PreparedTxnState:
@@ -459,8 +529,7 @@ class DualWriter:
         self._rollback(conn)
         left = self._flush_quietly(producer) if sent else None
         self._abort_after_claim(producer)
-        again = self.producer  # a new session, under a claim of its own
-        conn = self._lock_and_settle(again)
+        conn, again = self._lock_and_settle(self.producer)  # a new session, its own claim
         try:
             self._hooks.locked()
             if left is not None:
@@ -500,7 +569,7 @@ class DualWriter:
                                transactional_id=self._tid, state=str(left)):
             raise HeuristicCommitError(
                 self._tid, str(left), "another process committed it by producer id and epoch "
-                "while this writer's lease was lost with its database session")
+                "before this writer's lock was granted")
         log.info("transactional_id=%s: the records sent before the lock were aborted (%s); "
                  "sending them again", self._tid, left)
 
@@ -528,20 +597,31 @@ class DualWriter:
                      "starting a new session", self._tid)
             self._close_producer()
         if fenced:
-            raise ProducerFencedError(
-                f"transactional_id={self._tid}: a newer producer of this transactional id took "
-                "over while this writer's transaction was starting; nothing was committed. Stop "
-                "this writer (two writers must not share a transactional id)")
+            raise self._taken_over("while this writer's transaction was starting")
+
+    def _taken_over(self, when: str) -> ProducerFencedError:
+        return ProducerFencedError(
+            f"transactional_id={self._tid}: a newer producer of this transactional id took over "
+            f"{when}; nothing was committed. Stop this writer (two writers must not share a "
+            "transactional id)")
 
     def _claim(self) -> None:
         self._generation = None
         self._claimed = self._store.claim([self._tid], timeout_s=self._timeout_s)[self._tid]
 
-    def _lock_and_settle(self, producer: TwoPhaseProducer, *, claim: bool = False) -> Connection:
+    def _lock_and_settle(self, producer: TwoPhaseProducer, *, claim: bool = False
+                         ) -> tuple[Connection, TwoPhaseProducer]:
         """Lock first, make sure the id is still this writer's claim, finish what is in doubt.
+        Returns the connection holding the lock and the producer to go on with.
 
         Another process's claim since this writer's means it may have acted on the id: claim
-        again, so that whatever this writer does next under the lock is its own to do.
+        again, so that whatever this writer does next under the lock is its own to do, and if
+        ``producer``'s session has started, start a new one. Whoever claimed may have sent an
+        EndTxn by that session's (producer id, epoch) that got no answer and is still on its
+        way; on the TV1 path it would land on the session's next transaction (KAFKA-17754),
+        while the new session's InitProducerId bumps the epoch, so the coordinator refuses it.
+        If the claim was a newer producer's, which fenced this one, the writer stops instead
+        (:class:`ProducerFencedError`), as it does when that shows at a late lock.
         """
         attempts = 0
         while attempts < _CLAIM_ATTEMPTS:
@@ -550,8 +630,16 @@ class DualWriter:
             conn, row = self._begin_and_lock()
             if row.fencing_generation not in (self._generation, self._claimed):
                 self._rollback(conn)
-                claim = True
                 attempts += 1
+                claim = producer.identity is None
+                if not claim:
+                    if producer.fenced_at_coordinator():
+                        raise self._taken_over("since this writer's last transaction")
+                    log.warning("transactional_id=%s was claimed by another process (fencing "
+                                "generation %d); starting a new producer session", self._tid,
+                                row.fencing_generation)
+                    self._close_producer()
+                    producer = self.producer  # claims
                 continue
             try:
                 self._take_lease(conn)
@@ -566,7 +654,7 @@ class DualWriter:
                 claim = False  # the loss is settled and committed: lock again for the block
                 continue
             self._generation, self._settled = row.fencing_generation, row.prepared_txn_state
-            return conn
+            return conn, producer
         raise RetriableError(f"transactional_id={self._tid} was claimed by other processes "
                              f"{_CLAIM_ATTEMPTS} times in a row; is another writer or recovery "
                              "running for it?")
@@ -624,6 +712,7 @@ class DualWriter:
         if self._lease is not None and self._lease.ends_with_connection:
             self._lease.release()
             self._lease = None
+            self._lease_check = None
         if conn is not None:
             try:
                 conn.close()

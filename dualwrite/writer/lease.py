@@ -68,7 +68,11 @@ def pooler_error(engine: Engine, moved: str) -> FatalError:
 
 
 class Lease:
-    """One held lease; :meth:`release` gives it back (idempotent)."""
+    """One held lease; :meth:`release` gives it back (idempotent).
+
+    On PostgreSQL ``backend_pid`` names the server session that holds it: a holder checks that
+    its connection still runs that very session (:meth:`held_by_session`) before relying on it.
+    """
 
     def __init__(self, transactional_id: str, *, conn: Connection | None = None,
                  fd: int | None = None, backend_pid: int | None = None) -> None:
@@ -84,6 +88,13 @@ class Lease:
     def ends_with_connection(self) -> bool:
         """The lease is the connection's (PostgreSQL): losing the connection loses the lease."""
         return self._conn is not None
+
+    def held_by_session(self, backend_pid: int) -> bool:
+        """Whether the session answering as ``backend_pid`` (``pg_backend_pid()`` asked on the
+        holding connection) is the one that took the lease. A server restart, a terminated
+        backend or a pooler handing out another server connection each show as another pid
+        (or as a failed question): the lease may then have been someone else's meanwhile."""
+        return self._conn is not None and self.backend_pid == backend_pid
 
     def release(self) -> None:
         """Give the lease back. On PostgreSQL that closes the holding connection: the session

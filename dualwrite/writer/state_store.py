@@ -362,6 +362,27 @@ class StateStore:
         assert row is not None  # the upsert always returns its row
         return row
 
+    def generation_on(self, conn: Connection, transactional_id: str) -> tuple[int | None, int]:
+        """PostgreSQL, on ``conn`` outside a transaction: the id's fencing generation (None
+        without a row, not waiting for its lock) and the server process running ``conn``'s
+        session (``pg_backend_pid()``), in one round trip.
+
+        A writer holding its id's lease on ``conn`` asks this after each Kafka commit: the same
+        session and generation mean nobody can have taken the lease or claimed the id since.
+        """
+        _check("transactional_id", transactional_id, allow_empty=False)
+        t = self.table
+        generation = (sa.select(t.c.fencing_generation)
+                      .where(t.c.transactional_id == transactional_id).scalar_subquery())
+        try:
+            try:
+                found = conn.execute(sa.select(sa.func.pg_backend_pid(), generation)).one()
+            finally:
+                conn.rollback()  # ends SQLAlchemy's implicit transaction (none on a writer's)
+        except sa.exc.SQLAlchemyError as exc:
+            self._reraise(conn, exc)
+        return (None if found[1] is None else int(found[1])), int(found[0])
+
     # -- own short transactions ----------------------------------------------------------------
 
     def read(self, transactional_id: str) -> StateRow | None:
