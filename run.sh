@@ -21,9 +21,10 @@ install_system_packages() {
     command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
     command -v mvn >/dev/null 2>&1 || missing+=(maven)
     compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql)
+    command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
     [ ${#missing[@]} -eq 0 ] && return 0
     if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
-        echo "missing: ${missing[*]} — install them (Java 17, Maven, PostgreSQL server) or use Docker" >&2
+        echo "missing: ${missing[*]} — install them (Java 17, Maven, PostgreSQL server, PgBouncer) or use Docker" >&2
         exit 1
     fi
     say "installing ${missing[*]} (Debian packages)"

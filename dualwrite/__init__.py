@@ -9,6 +9,7 @@ from dualwrite import errors
 from dualwrite.database import check_schema, create_engine, upgrade_database
 from dualwrite.errors import *  # noqa: F403 (every error is API: errors.__all__)
 from dualwrite.participant import PreparedTxnState, TwoPhaseProducer
+from dualwrite.participant.kafka_errors import AuthenticationError, AuthorizationError
 from dualwrite.recovery import (
     OpenTransaction,
     Outcome,
@@ -35,6 +36,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncDualWriterPool",
     "AsyncTransaction",
+    "AuthenticationError",
+    "AuthorizationError",
     "DualWriteTransaction",
     "DualWriter",
     "DualWriterPool",

@@ -31,11 +31,16 @@ from dualwrite.batch.decision_log import check_sink_id
 from dualwrite.database import create_engine, mask_url, upgrade_database
 from dualwrite.errors import (
     BrokerUnreachableError,
+    ConfigurationError,
     DatabaseUnreachableError,
     DualWriteError,
     HeuristicOutcomeError,
 )
-from dualwrite.participant.client_config import LIBRDKAFKA_LOGGER, load_properties
+from dualwrite.participant.client_config import (
+    LIBRDKAFKA_LOGGER,
+    check_kafka_config,
+    load_properties,
+)
 from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.recovery import (
     Condition,
@@ -69,6 +74,8 @@ def _guarded(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except ConfigurationError as exc:  # a malformed --db, --bootstrap-servers, --timeout …
+            _fail(str(exc), EXIT_USAGE)
         except (BrokerUnreachableError, DatabaseUnreachableError) as exc:
             _fail(str(exc), EXIT_UNREACHABLE)
         except HeuristicOutcomeError as exc:
@@ -86,7 +93,10 @@ def _kafka_config(bootstrap: str | None, properties: str | None) -> dict[str, An
     if "bootstrap.servers" not in config:
         _fail("no Kafka cluster given: pass --bootstrap-servers, a --kafka-properties file with "
               "bootstrap.servers, or set DUALWRITE_BOOTSTRAP_SERVERS", EXIT_USAGE)
-    return config
+    try:
+        return check_kafka_config(config)
+    except ConfigurationError as exc:
+        _fail(str(exc), EXIT_USAGE)
 
 
 def _check_sink_ids(_ctx: click.Context, _param: click.Parameter,
@@ -131,7 +141,8 @@ def db_option(fn: F) -> F:
 
 
 def timeout_option(fn: F) -> F:
-    return click.option("--timeout", "timeout_s", type=float, default=30.0, show_default=True,
+    return click.option("--timeout", "timeout_s", type=click.FloatRange(0, min_open=True),
+                        default=30.0, show_default=True,
                         help="Seconds to wait for Kafka and the database per call.")(fn)
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "BatchHeuristicAbortError",
     "BatchInDoubtError",
     "BrokerUnreachableError",
+    "ConfigurationError",
     "DatabaseUnreachableError",
     "DeliveryTimeoutError",
     "DualWriteError",
@@ -27,6 +28,7 @@ __all__ = [
     "HeuristicCommitError",
     "HeuristicOutcomeError",
     "InvalidPreparedStateError",
+    "InvalidRecordError",
     "KafkaErrorInfo",
     "KafkaProtocolError",
     "LockTimeoutError",
@@ -34,10 +36,12 @@ __all__ = [
     "OutcomeUnknownError",
     "OutcomeUnreadableError",
     "ProducerFencedError",
+    "RecordTooLargeError",
     "RecoverableError",
     "RetriableError",
     "TransactionConflictError",
     "TransactionStateError",
+    "UnknownTopicError",
 ]
 
 
@@ -98,6 +102,47 @@ class TransactionStateError(FatalError):
 
 class MigrationRequiredError(FatalError):
     """The dualwrite state table is missing or out of date."""
+
+
+class ConfigurationError(FatalError, ValueError):
+    """A setting is missing, malformed or unsupported: an empty or malformed
+    ``bootstrap.servers``, a Kafka client setting librdkafka rejects, a database URL that is not
+    a URL, a database dialect or driver dualwrite does not support. Fix the setting."""
+
+
+class UnknownTopicError(FatalError):
+    """The topic does not exist (and the brokers do not create topics on first use): create it,
+    or fix its name. Nothing of the transaction was committed."""
+
+    def __init__(self, topic: str, detail: str) -> None:
+        super().__init__(f"topic {topic!r} does not exist ({detail}): create it (kafka-topics.sh "
+                         "--create) or fix the name")
+        self.topic = topic
+
+
+class InvalidRecordError(FatalError, ValueError, TypeError):
+    """Kafka cannot take this record as it is: a key or value that is not bytes, str or None,
+    or one the broker rejects (INVALID_RECORD, CORRUPT_MESSAGE, INVALID_TIMESTAMP …). Sending it
+    again will fail again; the transaction was rolled back. ``topic`` names where it went."""
+
+    def __init__(self, topic: str, message: str) -> None:
+        super().__init__(message)
+        self.topic = topic
+
+
+class RecordTooLargeError(InvalidRecordError):
+    """A record is larger than a limit: the client's ``message.max.bytes`` (checked before
+    sending) or the topic's ``max.message.bytes`` / the broker's ``message.max.bytes``. Make the
+    record smaller or raise the limit on both sides; retrying cannot help.
+
+    ``size`` is the record's size in bytes when known, ``limit`` the limit's name and value.
+    """
+
+    def __init__(self, topic: str, message: str, *, size: int | None = None,
+                 limit: str = "") -> None:
+        super().__init__(topic, message)
+        self.size = size
+        self.limit = limit
 
 
 class InvalidPreparedStateError(FatalError, ValueError):
@@ -176,10 +221,10 @@ class HeuristicCommitError(HeuristicOutcomeError):
     """Kafka committed records that no database decision covers.
 
     A writer's records left before its state-row lock was granted and another process then
-    committed them by (producer id, epoch) — possible only after the writer's lease was lost
-    with its database session (see "Leases" in docs/design.md). The block stops before it wrote
-    anything; the records it names are visible without their rows: compensate, or write the
-    rows that match them.
+    committed them by (producer id, epoch). A guard: the lease rules (see "Leases" in
+    docs/design.md) leave that only to a process that does so without claiming the id first.
+    The block stops before it wrote anything; the records it names are visible without their
+    rows: compensate, or write the rows that match them.
     """
 
     def __init__(self, transactional_id: str, state: str, detail: str) -> None:

@@ -93,7 +93,9 @@ def test_the_top_level_exports_the_application_and_operator_api_only() -> None:
     for received in ("BatchHeuristicAbortError", "KafkaErrorInfo", "RecoveryResult",
                      "SinkStatus", "Outcome", "DualWriter", "DualWriterPool", "GroupedTransaction",
                      "AsyncDualWriterPool", "AsyncTransaction", "recover", "status",
-                     "open_transactions", "OpenTransaction"):
+                     "open_transactions", "OpenTransaction",
+                     "AuthorizationError", "UnknownTopicError", "RecordTooLargeError",
+                     "InvalidRecordError", "ConfigurationError"):
         assert received in exported
     assert all(hasattr(dualwrite, name) for name in exported)
 

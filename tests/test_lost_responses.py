@@ -28,10 +28,12 @@ from dualwrite.cli import main as cli_main
 from dualwrite.database import normalize_url
 from dualwrite.dev import LocalKafkaCluster
 from dualwrite.dev.security import application_acls, write_properties_file
+from dualwrite.participant import TxnState
 from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.writer import PhaseHooks
+from dualwrite.writer.lease import Leases
 from dualwrite.writer.state_store import StateStore
-from tests._kafka_helpers import read_committed, unique
+from tests._kafka_helpers import in_thread, read_committed, unique, wait_for
 from tests._tcp_proxy import TcpProxy, contains, kafka_api
 from tests.conftest import BACKEND, KAFKA_VERSION
 
@@ -362,6 +364,77 @@ def test_late_control_plane_endtxn_cannot_end_the_next_transaction(
         assert read_committed(cluster.bootstrap_servers, topic, 10) == [b"t1"]
     finally:
         second.close()
+
+
+def test_late_recovery_endtxn_cannot_end_a_lock_first_writers_next_transaction(
+        cluster: LocalKafkaCluster, proxy: TcpProxy, topic: str, pg_url: str) -> None:
+    """A writer that locks first (another process holds its id's lease) is between its two
+    commits of t1; the lease is freed and recovery commits t1 by (producer id, epoch), but its
+    EndTxn is held on its connection and recovery gives up (no answer). The writer commits t1
+    itself; its next lock shows recovery's claim. Before: it claimed again and began t2 in the
+    same session, and the held EndTxn, delivered then, committed t2 before its decision (t2
+    visible, its rows rolled back). Now a claim by another process starts a new session, and
+    the held request carries a stale epoch."""
+    tid = unique("lock-first-late")
+    engine = dualwrite.create_engine(pg_url)
+    leases = Leases(engine)
+    holder = engine.connect()
+    other = leases.try_acquire(holder, tid)  # someone else's lease: the writer locks first
+    holder.commit()
+    assert other is not None
+    at_gate, gate = threading.Event(), threading.Event()
+    writer = DualWriter(pg_url, _config(cluster, **{"linger.ms": 0}), transactional_id=tid,
+                        timeout_s=15)
+    try:
+        _write(writer, topic, "t0")
+        real_commit = writer.producer.commit_transaction
+        before = writer.producer.identity
+
+        def gated_commit() -> None:
+            if not gate.is_set():
+                at_gate.set()
+                gate.wait(30)
+            real_commit()
+
+        writer.producer.commit_transaction = gated_commit  # type: ignore[method-assign]
+        thread, errors = in_thread(_write, writer, topic, "t1")
+        assert at_gate.wait(20)
+        other.release()  # the lease is free: recovery takes it
+        held = proxy.hold_next_request(kafka_api(END_TXN))
+        report = dualwrite.recover(
+            pg_url, {"bootstrap.servers": cluster.external_bootstrap_servers}, [tid],
+            timeout_s=5)
+        assert held.is_set() and not report.ok, report.as_dict()
+        gate.set()
+        thread.join(30)
+        assert not thread.is_alive() and errors == []
+        seen: list[bytes] = []
+        with pytest.raises(ZeroDivisionError), writer.transaction() as tx:
+            tx.produce(topic, b"t2", key="t2")
+            tx.connection.execute(sa.insert(ORDERS).values(id="t2"))
+            with ControlPlane({"bootstrap.servers": cluster.bootstrap_servers}) as cp:
+                wait_for(lambda: _open_in_the_log(cp, tid), 10, what="t2 in the log")
+            proxy.release()  # recovery's EndTxn(commit) of t1 reaches the coordinator now
+            time.sleep(2.0)
+            seen = read_committed(cluster.bootstrap_servers, topic, 10)
+            _ = 1 / 0  # the block fails: t2 must not be visible
+        after = writer.producer.identity
+    finally:
+        writer.close()
+        holder.close()
+        engine.dispose()
+    assert seen == [b"t0", b"t1"], "recovery's late EndTxn committed t2 before its decision"
+    assert before is not None and after is not None and after.epoch != before.epoch
+    assert _check_invariant(cluster, pg_url, topic, [tid]) == 2
+
+
+def _open_in_the_log(cp: ControlPlane, tid: str) -> bool:
+    """The open transaction of ``tid`` has a record in a partition's log."""
+    desc = cp.describe_transaction(tid)
+    if desc is None or desc.state is not TxnState.ONGOING or not desc.partitions:
+        return False
+    return any(p.producer_id == desc.producer_id and p.current_txn_start_offset is not None
+               for ps in cp.describe_producers(desc.partitions).values() for p in ps)
 
 
 # -- the database connection cut during COMMIT ------------------------------------------------

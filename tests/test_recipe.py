@@ -498,6 +498,13 @@ def write_produce_first(writer: DualWriter, topic: str, value: str) -> None:
         tx.connection.execute(sa.text("INSERT INTO app_rows (value) VALUES (:v)"), {"v": value})
 
 
+def lease_checked(writer: DualWriter) -> None:
+    """Wait for the lease check the writer runs after its Kafka commit: a claim made before it
+    answered would make the next transaction lock first (docs/design.md, "The lease under
+    session loss"), and these tests claim the id while that transaction's record is on its way."""
+    writer._lease_verdict()
+
+
 def _in_the_log(cp: ControlPlane, tid: str) -> bool:
     """The open transaction of ``tid`` has a record in a partition's log."""
     desc = cp.describe_transaction(tid)
@@ -553,6 +560,7 @@ def test_recovery_acting_before_the_lock_is_granted_makes_the_writer_start_over(
     tid = unique("ahead-rec")
     writer = writers(engine, tid)
     write_produce_first(writer, topic, "first")
+    lease_checked(writer)
     store = StateStore(engine)
     config = {"bootstrap.servers": bootstrap}
     stored = store.read(tid)
@@ -586,6 +594,7 @@ def test_a_new_producer_fencing_before_the_lock_is_granted_stops_the_old_writer(
     tid = unique("ahead-fence")
     writer = writers(engine, tid)
     write_produce_first(writer, topic, "first")
+    lease_checked(writer)
     store = StateStore(engine)
     store.claim([tid])  # the new session's claim
     with ControlPlane({"bootstrap.servers": bootstrap}) as cp, engine.connect() as newcomer:

@@ -199,20 +199,45 @@ def test_application_principal_writes_recovers_and_reports(
 # -- one ACL missing ----------------------------------------------------------------------------
 
 
+def _assert_nothing_written(cluster: LocalKafkaCluster, engine: sa.Engine, topic: str,
+                            tid: str) -> None:
+    """No row, no visible record, nothing of ``tid`` open (asked as the super user)."""
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM items")).scalar_one() == 0
+    assert read_committed(cluster.bootstrap_servers, topic) == []
+    report = dualwrite.status(engine, {"bootstrap.servers": cluster.bootstrap_servers},
+                              prefix=tid, timeout_s=10)
+    for row in report.rows:
+        assert row.state == "" and (row.broker is None or not row.broker.state.in_flight), row
+    assert [h.transactional_id for h in report.hanging] == []
+
+
+def _write_item(writer: DualWriter, topic: str, item: str) -> None:
+    with writer.transaction() as tx:
+        tx.connection.execute(sa.text("INSERT INTO items VALUES (:id)"), {"id": item})
+        tx.produce(topic, key=item, value=item.encode())
+
+
 def test_missing_write_on_transactional_id_is_named(kafka_secured: LocalKafkaCluster,
                                                     secured_topic: str, tmp_path: Path) -> None:
+    """A typed AuthorizationError naming the ACL within seconds, nothing written or open."""
     app = _app(kafka_secured, secured_topic, drop="WRITE TRANSACTIONAL_ID")
     engine = _sqlite(tmp_path)
+    tid = f"{app.prefix}-w"
     started = time.monotonic()
-    writer = DualWriter(engine, app.config, transactional_id=f"{app.prefix}-w", timeout_s=10)
+    writer = DualWriter(engine, app.config, transactional_id=tid, timeout_s=10)
     try:
-        with pytest.raises(FatalError) as info, writer.transaction() as tx:
-            tx.produce(app.topic, key="k", value=b"v")
+        with pytest.raises(dualwrite.AuthorizationError) as info:
+            _write_item(writer, app.topic, "w")
+        took = time.monotonic() - started
+        _assert_nothing_written(kafka_secured, engine, app.topic, tid)
     finally:
         writer.close()
         engine.dispose()
-    assert time.monotonic() - started < 10
-    assert f"WRITE on TransactionalId '{app.prefix}-w'" in str(info.value)
+    assert took < 5, took
+    assert not isinstance(info.value, dualwrite.RetriableError)
+    assert info.value.acl.startswith(f"WRITE on TransactionalId '{tid}'"), info.value.acl
+    assert f"WRITE on TransactionalId '{tid}'" in str(info.value)
     assert SECRET_MARK not in str(info.value)
 
 
@@ -262,16 +287,59 @@ def test_missing_write_on_topic_fails_the_transaction(kafka_secured: LocalKafkaC
 
 def test_missing_write_on_topic_is_named(kafka_secured: LocalKafkaCluster, secured_topic: str,
                                          tmp_path: Path) -> None:
+    """The topic is visible (READ) but not writable: AuthorizationError within seconds, nothing
+    written or open; once the ACL is granted the same writer goes on."""
     app = _app(kafka_secured, secured_topic, drop="WRITE TOPIC")
     engine = _sqlite(tmp_path)
-    writer = DualWriter(engine, app.config, transactional_id=f"{app.prefix}-w", timeout_s=10)
+    tid = f"{app.prefix}-w"
+    writer = DualWriter(engine, app.config, transactional_id=tid, timeout_s=10)
     try:
-        with pytest.raises(FatalError) as info, writer.transaction() as tx:
-            tx.produce(app.topic, key="k", value=b"v")
+        started = time.monotonic()
+        with pytest.raises(dualwrite.AuthorizationError) as info:
+            _write_item(writer, app.topic, "w")
+        took = time.monotonic() - started
+        _assert_nothing_written(kafka_secured, engine, app.topic, tid)
+        kafka_secured.create_acls([Acl(app.user.principal, "WRITE", "TOPIC", app.topic)])
+        time.sleep(0.5)  # the ACL travels through the metadata log
+        _write_item(writer, app.topic, "after-grant")
     finally:
         writer.close()
         engine.dispose()
-    assert f"WRITE on Topic '{app.topic}'" in str(info.value)
+    assert took < 5, took
+    assert not isinstance(info.value, dualwrite.RetriableError)
+    assert info.value.acl == f"WRITE on Topic '{app.topic}'"
+    assert f"Missing ACL: grant WRITE on Topic '{app.topic}'" in str(info.value)
+    assert read_committed(kafka_secured.bootstrap_servers, app.topic) == [b"after-grant"]
+
+
+def test_topic_not_even_visible_is_named(kafka_secured: LocalKafkaCluster, secured_topic: str,
+                                         new_topic: Any, tmp_path: Path) -> None:
+    """A topic without any ACL for the principal (Metadata says TOPIC_AUTHORIZATION_FAILED):
+    named at once, before anything is sent; the writer goes on with its own topic. The Spark
+    sink's per-batch check (ControlPlane.check_topics_writable) names it the same way."""
+    app = _app(kafka_secured, secured_topic)
+    hidden = new_topic(kafka_secured, partitions=1)
+    engine = _sqlite(tmp_path)
+    tid = f"{app.prefix}-w"
+    writer = DualWriter(engine, app.config, transactional_id=tid, timeout_s=10)
+    try:
+        started = time.monotonic()
+        with pytest.raises(dualwrite.AuthorizationError) as info:
+            _write_item(writer, hidden, "w")
+        took = time.monotonic() - started
+        _assert_nothing_written(kafka_secured, engine, hidden, tid)
+        _write_item(writer, app.topic, "own-topic")
+        with ControlPlane(app.config, timeout_s=10) as cp:
+            with pytest.raises(dualwrite.AuthorizationError) as checked:
+                cp.check_topics_writable([hidden])
+            cp.check_topics_writable([app.topic])
+    finally:
+        writer.close()
+        engine.dispose()
+    assert took < 5, took
+    assert info.value.acl == f"WRITE on Topic '{hidden}'"
+    assert checked.value.acl == f"WRITE on Topic '{hidden}'"
+    assert read_committed(kafka_secured.bootstrap_servers, app.topic) == [b"own-topic"]
 
 
 def _anchor_check_without_group_acl(cluster: LocalKafkaCluster, topic: str,

@@ -9,6 +9,7 @@ empty, and the last batch completed in the decision log.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -229,3 +230,26 @@ def test_lost_executors_mid_batch(pipeline: Pipeline, standalone_spark: Standalo
     # The rerun may be a new stage attempt whose task attempt numbers restart at 0: then it
     # reuses the dead attempt's transactional id, and its initialisation fences the dead one.
     pipeline.assert_exactly_once()
+
+
+# -- a first mistake ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_missing_topic_fails_the_batch_typed_without_retries(pipeline: Pipeline) -> None:
+    """The batch fails on the driver with UnknownTopicError before any task runs, and the query
+    stops with it: no task attempts, no batch attempts again, nothing decided or left open."""
+    missing = dataclasses.replace(pipeline, topic=f"no-such-topic-{uuid.uuid4().hex[:8]}")
+    result = missing.run(expect_ok=False)
+    assert result.returncode != 0
+    assert f"dualwrite.errors.UnknownTopicError: topic {missing.topic!r} does not exist" \
+        in result.stderr, result.stderr[-4000:]
+    for retried in ("Job aborted", "failed 4 times", "writing it again", "PythonException"):
+        assert retried not in result.stderr, result.stderr[-4000:]
+    assert missing.table_ids() == []
+    engine = dualwrite.create_engine(missing.db_url)
+    try:
+        log = DecisionLog(engine)
+        assert not log.has_tables() or log.read_all([missing.sink_id]) == []
+    finally:
+        engine.dispose()

@@ -6,6 +6,7 @@ Every test gets an empty database: the fresh SQLite file of ``sqlite_url``, or a
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import subprocess
 import sys
@@ -35,7 +36,13 @@ from dualwrite.errors import (
     MigrationRequiredError,
     TransactionStateError,
 )
-from dualwrite.writer.state_store import MAX_LENGTH, StateRow, StateStore, writer_connection
+from dualwrite.writer.state_store import (
+    MAX_LENGTH,
+    SERVER_IDENTITY,
+    StateRow,
+    StateStore,
+    writer_connection,
+)
 
 #: The newest schema revision (0003 added the fencing generation).
 HEAD = "0003"
@@ -625,3 +632,33 @@ def test_a_transaction_id_the_server_never_logged_did_not_commit(engine: sa.Engi
         current = int(conn.execute(sa.text("SELECT txid_current()")).scalar_one())
     assert store.transaction_status(current) == "committed"
     assert store.transaction_status(current + 1_000_000) == "aborted"
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_commit_status_trusts_a_transaction_id_only_on_the_server_that_ran_it(
+        engine: sa.Engine, store: StateStore) -> None:
+    """The lock names its server; asked there, the id's verdict stands. Asked of another server
+    (a failover, a crash restart: here a row claiming another server), only the row version the
+    transaction wrote counts as committed, and anything else is unknown, even a "committed" of
+    whatever transaction has that id there."""
+    with engine.connect() as conn:
+        conn.begin()
+        mine = store.lock_row(conn, "cs-1")
+        store.write_and_commit(conn, "cs-1", "state-1")
+        conn.begin()
+        rolled_back = store.lock_row(conn, "cs-1")
+        store.write(conn, "cs-1", "state-2")
+        conn.rollback()
+        server = conn.exec_driver_sql(f"SELECT {SERVER_IDENTITY}").scalar_one()
+    assert mine.locked_on == server and mine.locked_by_xid is not None
+    assert store.commit_status(mine, "state-1") == "committed"
+    assert store.commit_status(rolled_back, "state-2") == "aborted"
+    elsewhere = dataclasses.replace(mine, locked_on="another server")
+    assert store.commit_status(elsewhere, "state-1") == "committed"  # its row version is there
+    assert store.commit_status(elsewhere, "state-other") is None
+    with engine.begin() as conn:  # a later transaction rewrites the row: it is not ours any more
+        store.lock_row(conn, "cs-1")
+        store.write(conn, "cs-1", "state-1")
+    assert store.commit_status(elsewhere, "state-1") is None
+    assert store.commit_status(dataclasses.replace(rolled_back, locked_on="another server"),
+                               "state-2") is None

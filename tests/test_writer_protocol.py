@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -68,13 +69,15 @@ class _Window:
     """Holds a writer between its database COMMIT and its Kafka commit, and delays every
     EndTxn(commit) sent by (producer id, epoch) until that writer committed its transaction and
     its next transaction's first record is in the log: the window in which an EndTxn decided
-    from a snapshot lands on the wrong transaction."""
+    from a snapshot lands on the wrong transaction. ``patience_s``: how long the EndTxn waits
+    for that next transaction before it is sent anyway (``next_seen`` tells whether it came)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, producer: TwoPhaseProducer,
-                 engine: sa.Engine, bootstrap: str) -> None:
+                 engine: sa.Engine, bootstrap: str, patience_s: float | None = None) -> None:
         self.at_gate = threading.Event()
         self.gate = threading.Event()
         self.commits_sent: list[str] = []
+        self.next_seen = False
         tid = producer.transactional_id
         real_commit = producer.commit_transaction
 
@@ -95,8 +98,15 @@ class _Window:
                 decided = PreparedTxnState.parse(row.prepared_txn_state)
                 self.gate.set()  # the writer commits its transaction and begins the next one
                 with ControlPlane({"bootstrap.servers": bootstrap}, timeout_s=10) as probe:
-                    wait_for(lambda: _next_transaction_in_the_log(probe, tid, decided), 15,
-                             what="the writer's next transaction in the log")
+                    if patience_s is None:
+                        wait_for(lambda: _next_transaction_in_the_log(probe, tid, decided), 15,
+                                 what="the writer's next transaction in the log")
+                        self.next_seen = True
+                    else:
+                        deadline = time.monotonic() + patience_s
+                        while not self.next_seen and time.monotonic() < deadline:
+                            self.next_seen = _next_transaction_in_the_log(probe, tid, decided)
+                            time.sleep(0.05)
             real_end(cp, tid_, pid, epoch, commit)
 
         monkeypatch.setattr(producer, "commit_transaction", gated_commit)
@@ -211,18 +221,16 @@ def test_a_second_writer_leaves_the_live_writers_transaction_to_it(
     second_engine.dispose()
 
 
-@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
-def test_records_committed_by_recovery_after_the_lease_was_lost_are_reported(
-        writers: Any, engine: sa.Engine, bootstrap: str, topic: str, db_url: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The writer's database session dies while it is between its two commits, so its lease is
-    free; recovery takes it and its delayed EndTxn lands on the writer's next transaction. The
-    writer learns at its lock that it was claimed. Before: it sent the record again (a silent
-    duplicate). Now it finds the record committed and raises HeuristicCommitError instead."""
-    tid = unique("lapsed")
-    writer = writers(engine, tid)
+def lapsed_lease(writer: DualWriter, engine: sa.Engine, bootstrap: str, topic: str,
+                 monkeypatch: pytest.MonkeyPatch, lose_session: Callable[[], None]) -> _Window:
+    """The writer's database session is lost (``lose_session``) while it is between its two
+    commits of t1, so its lease is free; recovery takes the lease and sends EndTxn(commit) for
+    t1 by (producer id, epoch), delayed until the writer's next transaction (t2) is in the log
+    (at most 3 s). Asserts the invariant; returns the window for more checks."""
+    tid = writer.transactional_id
     write_produce_first(writer, topic, "t0")
-    window = _Window(monkeypatch, writer.producer, engine, bootstrap)
+    window = _Window(monkeypatch, writer.producer, engine, bootstrap, patience_s=3.0)
+    before = writer.producer.identity
 
     def two_writes() -> None:
         write_produce_first(writer, topic, "t1")
@@ -230,16 +238,37 @@ def test_records_committed_by_recovery_after_the_lease_was_lost_are_reported(
 
     thread, errors = in_thread(two_writes)
     assert window.at_gate.wait(20)
-    assert writer._conn is not None
-    _kill_backend(db_url, _backend_pid(writer._conn))  # the lease goes with the session
+    lose_session()  # the lease goes with the session
     dualwrite.recover(engine, {"bootstrap.servers": bootstrap}, [tid], timeout_s=20)
     window.gate.set()
     thread.join(60)
     assert not thread.is_alive()
-    assert read_committed(bootstrap, topic) == [b"t0", b"t1", b"t2"]  # t2 once, not twice
-    assert rows(engine) == [b"t0", b"t1"]
-    assert len(errors) == 1 and isinstance(errors[0], dualwrite.HeuristicCommitError), errors
-    assert window.commits_sent == [tid]
+    assert errors == []  # before: HeuristicCommitError (t2 committed by recovery's EndTxn)
+    assert assert_invariant(engine, bootstrap, topic) == [b"t0", b"t1", b"t2"]
+    assert window.commits_sent == [tid]  # recovery did send its EndTxn by (producer id, epoch)
+    assert not window.next_seen, "the writer began t2 on the (producer id, epoch) recovery used"
+    after = writer.producer.identity
+    assert before is not None and after is not None and after.epoch != before.epoch
+    return window
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_recovery_after_the_lease_was_lost_cannot_commit_the_writers_next_transaction(
+        writers: Any, engine: sa.Engine, bootstrap: str, topic: str, db_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """pg_terminate_backend on the writer's session between its two commits frees its lease;
+    recovery takes it and its EndTxn by (producer id, epoch) is delayed. Before: the writer
+    began t2 in the same session, the late EndTxn committed t2's record before its rows, and the
+    writer could only report it (HeuristicCommitError; Kafka [t0, t1, t2], rows [t0, t1]). Now
+    the writer checks, after each Kafka commit, that its lease's session is still the one it
+    took the lease on; it is not, so it starts a new session (epoch bump) and locks first."""
+    writer = writers(engine, unique("lapsed"))
+
+    def terminate() -> None:
+        assert writer._conn is not None
+        _kill_backend(db_url, _backend_pid(writer._conn))
+
+    lapsed_lease(writer, engine, bootstrap, topic, monkeypatch, terminate)
 
 
 def test_a_writer_claimed_before_its_lock_starts_over_in_a_new_session(

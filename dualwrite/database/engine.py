@@ -37,6 +37,7 @@ from sqlalchemy.engine import URL, make_url
 
 from dualwrite.database.schema import STATE_TABLE, TRANSACTION_STATE, VERSION_TABLE
 from dualwrite.errors import (
+    ConfigurationError,
     DatabaseUnreachableError,
     DualWriteError,
     FatalError,
@@ -84,11 +85,35 @@ _IMMEDIATE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 _ALEMBIC_LOCK = threading.Lock()
 
 
+SUPPORTED_URLS = "sqlite:///path/to/file.db or postgresql://user@host:5432/dbname (psycopg 3)"
+_SUPPORTED_BACKENDS = frozenset({"sqlite", "postgresql"})
+
+
 def normalize_url(url: str | URL) -> URL:
-    """Parse ``url``; ``postgresql://`` and ``postgres://`` become ``postgresql+psycopg://``."""
-    parsed = make_url(url)
+    """Parse ``url``; ``postgresql://`` and ``postgres://`` become ``postgresql+psycopg://``.
+
+    :class:`ConfigurationError` if it is not a URL, or not one of a supported database: SQLite or
+    PostgreSQL (the text is shown only when it cannot hold a password).
+    """
+    if not isinstance(url, (str, URL)):
+        raise ConfigurationError(f"the database URL must be a str like {SUPPORTED_URLS}, not "
+                                 f"{type(url).__name__}")
+    try:
+        parsed = make_url(url)
+    except (sa.exc.ArgumentError, ValueError, TypeError) as exc:
+        shown = repr(url) if "@" not in str(url) else "(not shown: it may hold a password)"
+        hint = (f"; for a SQLite file say sqlite:///{url}" if isinstance(url, str)
+                and url and "://" not in url and "@" not in url else "")
+        raise ConfigurationError(f"{shown} is not a database URL ({type(exc).__name__}): use "
+                                 f"{SUPPORTED_URLS}{hint}") from None
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
+    backend = parsed.drivername.split("+", 1)[0]
+    if backend == "postgres":
+        parsed = parsed.set(drivername="postgresql+" + parsed.drivername.split("+", 1)[1])
+    elif backend not in _SUPPORTED_BACKENDS:
+        raise ConfigurationError(f"database {parsed.drivername!r} is not supported: dualwrite "
+                                 f"works with SQLite and PostgreSQL; use {SUPPORTED_URLS}")
     return parsed
 
 
@@ -120,7 +145,10 @@ def create_engine(url: str | URL, **kw: Any) -> Engine:
     ``conn.execution_options(dualwrite_sqlite_begin="DEFERRED")`` before it begins.
 
     PostgreSQL: ``postgresql://`` means psycopg 3; ``connect_timeout`` defaults to 10 s and
-    ``pool_pre_ping`` to True, so a restarted server costs a reconnect, not an error.
+    ``pool_pre_ping`` to True, so a restarted server costs a reconnect, not an error. psycopg's
+    automatic server-side prepared statements are off (``prepare_threshold=None``): behind a
+    pooler that hands each transaction another server session (PgBouncer's transaction
+    pooling) a statement prepared in one session is missing in the next.
 
     Other keyword arguments go to :func:`sqlalchemy.create_engine`.
     """
@@ -129,14 +157,28 @@ def create_engine(url: str | URL, **kw: Any) -> Engine:
     connect_args: dict[str, Any] = dict(kw.pop("connect_args", None) or {})
     if backend == "sqlite":
         connect_args.setdefault("timeout", DEFAULT_SQLITE_BUSY_TIMEOUT_S)
-        engine = sa.create_engine(parsed, connect_args=connect_args, **kw)
+        engine = _sa_engine(parsed, connect_args, kw)
         _install_sqlite_hooks(engine)
         return engine
-    if backend == "postgresql":
-        if "connect_timeout" not in parsed.query:
-            connect_args.setdefault("connect_timeout", DEFAULT_PG_CONNECT_TIMEOUT_S)
-        kw.setdefault("pool_pre_ping", True)
-    return sa.create_engine(parsed, connect_args=connect_args, **kw)
+    if "connect_timeout" not in parsed.query:
+        connect_args.setdefault("connect_timeout", DEFAULT_PG_CONNECT_TIMEOUT_S)
+    if parsed.get_driver_name() == "psycopg":
+        connect_args.setdefault("prepare_threshold", None)
+    kw.setdefault("pool_pre_ping", True)
+    return _sa_engine(parsed, connect_args, kw)
+
+
+def _sa_engine(url: URL, connect_args: dict[str, Any], kw: dict[str, Any]) -> Engine:
+    """SQLAlchemy's engine; a driver that is not installed or a URL it cannot take is a
+    :class:`ConfigurationError` naming the URL with its password masked."""
+    try:
+        return sa.create_engine(url, connect_args=connect_args, **kw)
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"the database driver for {url.drivername!r} is not installed ({exc}); "
+            "postgresql:// needs psycopg 3 (pip install 'psycopg[binary]')") from None
+    except (sa.exc.ArgumentError, ValueError, TypeError) as exc:
+        raise ConfigurationError(f"database URL {mask_url(url)}: {exc}") from None
 
 
 def _install_sqlite_hooks(engine: Engine) -> None:
@@ -194,6 +236,9 @@ _LOCK_NOT_AVAILABLE = "55P03"
 _MISSING_SCHEMA_SQLSTATES = frozenset({"42P01", "42703"})
 _SQLITE_MISSING_SCHEMA = ("no such table", "no such column", "has no column named")
 _SQLITE_BUSY = ("database is locked", "database table is locked", "database is busy")
+#: PgBouncer in statement pooling refuses every transaction block (SQLSTATE 08P01, which would
+#: otherwise read as a lost connection): no retry helps.
+_STATEMENT_POOLING = "transaction blocks not allowed in statement pooling mode"
 
 
 def _sqlstate(orig: BaseException | None) -> str | None:
@@ -233,6 +278,8 @@ def database_error(exc: BaseException, url: URL, *, table: str | None = None) ->
     The one translation layer of the database side; chain it (``raise database_error(exc, url)
     from exc``). Grouped by what the caller does next:
 
+    - PgBouncer's refusal of transactions in statement pooling mode: :class:`FatalError`
+      (connect directly or through session pooling);
     - connection lost, cannot connect, server shutting down or restarting (SQLSTATE class 08,
       57P01-57P03, 57P05, 25P03, 53300, an invalidated connection, psycopg's errors without a
       SQLSTATE, a pool timeout): :class:`DatabaseUnreachableError` (retry);
@@ -254,6 +301,12 @@ def database_error(exc: BaseException, url: URL, *, table: str | None = None) ->
     where = mask_url(url)
     detail = _driver_detail(url, exc)
     state = _sqlstate(orig)
+    if _STATEMENT_POOLING in detail:
+        return FatalError(
+            f"the database {where} is reached through a connection pooler in statement pooling "
+            f"mode ({detail}): dualwrite needs transactions and a server session per client "
+            "connection. Connect dualwrite directly to PostgreSQL, or through a pooler in "
+            "session pooling mode (PgBouncer pool_mode = session)")
     if _connection_lost(exc, orig):
         return unreachable_error(url, exc)
     if state == _LOCK_NOT_AVAILABLE or (

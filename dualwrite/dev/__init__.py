@@ -1,4 +1,5 @@
-"""Local development servers: a real Apache Kafka cluster and a PostgreSQL server on loopback.
+"""Local development servers: a real Apache Kafka cluster and a PostgreSQL server on loopback
+(with a streaming standby, and PgBouncer in front of it, for the database-operations tests).
 
 Used by the test suite (``tests/conftest.py``) and by ``dualwrite dev up|status|down``.
 """
@@ -15,6 +16,7 @@ from dualwrite.dev.kafka_cluster import (
     create_topic,
     transactional_defaults,
 )
+from dualwrite.dev.pgbouncer import LocalPgBouncer
 from dualwrite.dev.postgres_cluster import LocalPostgres
 from dualwrite.dev.verify import read_committed
 
@@ -25,6 +27,7 @@ __all__ = [
     "ExternalKafkaCluster",
     "KafkaTarget",
     "LocalKafkaCluster",
+    "LocalPgBouncer",
     "LocalPostgres",
     "create_topic",
     "docker_available",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -26,6 +27,7 @@ __all__ = [
     "parent_death_signal",
     "pid_alive",
     "port_open",
+    "server_user",
     "tail",
     "terminate_pid",
 ]
@@ -103,6 +105,20 @@ def parent_death_signal() -> Callable[[], None] | None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
     return _set
+
+
+def server_user(program: str) -> pwd.struct_passwd | None:
+    """The account to run a server as: None (ourselves) unless we are root, which PostgreSQL
+    and PgBouncer refuse; then ``postgres`` (or ``nobody``)."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("postgres", "nobody"):
+        with contextlib.suppress(KeyError):
+            return pwd.getpwnam(name)
+    raise DevClusterError(
+        f"running as root, and neither a 'postgres' nor a 'nobody' user exists; {program} "
+        "refuses to run as root: create a 'postgres' user or run as a normal user"
+    )
 
 
 def pid_alive(pid: int, must_contain: str | None = None) -> bool:

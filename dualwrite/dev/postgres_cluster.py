@@ -29,6 +29,7 @@ from dualwrite.dev._util import (
     free_ports,
     parent_death_signal,
     pid_alive,
+    server_user,
     tail,
     terminate_pid,
 )
@@ -94,15 +95,7 @@ def find_postgres_bindir() -> Path:
 
 def _server_user() -> pwd.struct_passwd | None:
     """The account to run PostgreSQL as: None (ourselves) unless we are root."""
-    if os.geteuid() != 0:
-        return None
-    for name in ("postgres", "nobody"):
-        with contextlib.suppress(KeyError):
-            return pwd.getpwnam(name)
-    raise DevClusterError(
-        "running as root, and neither a 'postgres' nor a 'nobody' user exists; PostgreSQL "
-        "refuses to run as root: create a 'postgres' user or run as a normal user"
-    )
+    return server_user("PostgreSQL")
 
 
 class LocalPostgres(LocalServer):
@@ -121,13 +114,17 @@ class LocalPostgres(LocalServer):
         backend: PgBackend = "auto",
         startup_timeout: float = 60.0,
         detach: bool = False,
+        standby_of: int | None = None,
     ) -> None:
+        """``standby_of``: the port of a local server (binaries backend) to stream from, as
+        :meth:`start_standby` does."""
         if backend not in ("auto", "binaries", "docker"):
             raise ValueError(f"backend must be 'auto', 'binaries' or 'docker', not {backend!r}")
         self.requested_backend: PgBackend = backend
         self.backend: Literal["binaries", "docker"] | None = None
         self.settings = {**DEFAULT_SETTINGS, **(settings or {})}
         self.startup_timeout = startup_timeout
+        self._standby_of = standby_of
         self._given_data_dir = data_dir
         self.data_dir: Path | None = data_dir
         self.port: int | None = None
@@ -165,7 +162,7 @@ class LocalPostgres(LocalServer):
             if self.backend == "docker":
                 self._start_docker()
             else:
-                self._start_binaries()
+                self._start_binaries(replica_of=self._standby_of)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.stop()
@@ -197,6 +194,43 @@ class LocalPostgres(LocalServer):
             if self._given_data_dir is None:
                 self.data_dir = None
         self._url = None
+
+    def start_standby(self) -> LocalPostgres:
+        """A streaming standby of this server (``binaries`` backend), started on a port of its
+        own: ``pg_basebackup -R`` into a new folder, then ``postgres`` there. Replication is
+        asynchronous; :meth:`promote` makes it a primary. Stop it like any LocalPostgres."""
+        if self.backend != "binaries" or self.port is None or self.data_dir is None:
+            raise DevClusterError("a standby needs a started server of the binaries backend")
+        standby = LocalPostgres(settings=self.settings, backend="binaries",
+                                startup_timeout=self.startup_timeout, standby_of=self.port)
+        standby.start()
+        return standby
+
+    def promote(self, timeout_s: float = 60.0) -> None:
+        """End a standby's recovery (``pg_promote``, waiting): it becomes a primary on a new
+        timeline."""
+        import psycopg
+
+        dsn = f"host=127.0.0.1 port={self.port} user={USER} dbname=postgres"
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+            row = conn.execute("SELECT pg_promote(true, %s)", (max(1, int(timeout_s)),))
+            promoted = row.fetchone()
+        if not promoted or not promoted[0]:
+            raise DevClusterError(f"the standby on port {self.port} was not promoted within "
+                                  f"{timeout_s:g} s:\n{self.log_text()[-3000:]}")
+
+    def crash(self) -> None:
+        """Immediate shutdown (SIGQUIT, as ``pg_ctl stop -m immediate``: no checkpoint, the
+        next start replays WAL); the data folder stays until :meth:`stop`."""
+        if self._proc is None:
+            raise DevClusterError("crash() needs a server of the binaries backend")
+        if self._proc.poll() is None:
+            self._proc.send_signal(3)
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=10)
 
     def log_text(self) -> str:
         """The server log so far."""
@@ -253,7 +287,9 @@ class LocalPostgres(LocalServer):
 
     # -- internals -------------------------------------------------------------------------
 
-    def _start_binaries(self) -> None:
+    def _start_binaries(self, replica_of: int | None = None) -> None:
+        """initdb (or, with ``replica_of``, a base backup of the server on that port with
+        standby settings) and start."""
         bindir = find_postgres_bindir()
         user = _server_user()
         if self.data_dir is None:
@@ -276,13 +312,17 @@ class LocalPostgres(LocalServer):
         run_as: dict[str, Any] = (
             {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []} if user else {}
         )
-        initdb = subprocess.run(
-            [str(bindir / "initdb"), "-D", str(pgdata), "-U", USER, "--auth=trust", "-E", "UTF8",
-             "--locale=C", "--no-sync"],
-            capture_output=True, text=True, timeout=120, check=False, **run_as,
-        )  # fmt: skip
-        if initdb.returncode != 0:
-            raise DevClusterError(f"initdb failed:\n{initdb.stdout}\n{initdb.stderr}")
+        if replica_of is None:
+            create = [str(bindir / "initdb"), "-D", str(pgdata), "-U", USER, "--auth=trust",
+                      "-E", "UTF8", "--locale=C", "--no-sync"]
+        else:
+            create = [str(bindir / "pg_basebackup"), "-h", "127.0.0.1", "-p", str(replica_of),
+                      "-U", USER, "-D", str(pgdata), "-R", "-X", "stream", "--no-sync",
+                      "-c", "fast"]
+        made = subprocess.run(create, capture_output=True, text=True, timeout=120, check=False,
+                              **run_as)
+        if made.returncode != 0:
+            raise DevClusterError(f"{Path(create[0]).name} failed:\n{made.stdout}\n{made.stderr}")
         (self.port,) = free_ports(1)
         conf = {
             **self.settings,
@@ -307,7 +347,8 @@ class LocalPostgres(LocalServer):
         self._url = f"postgresql+psycopg://{USER}@127.0.0.1:{self.port}/{DATABASE}"
         self._wait_for_server(
             f"host=127.0.0.1 port={self.port} user={USER} dbname=postgres",
-            f"CREATE DATABASE {DATABASE}", what="PostgreSQL",
+            f"CREATE DATABASE {DATABASE}" if replica_of is None else "SELECT 1",
+            what="PostgreSQL",
             log=lambda: tail(self.data_dir / "postgres.log") if self.data_dir else "")
 
     def _wait_for_server(self, dsn: str, statement: str, *, what: str,

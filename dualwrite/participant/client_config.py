@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from dualwrite.errors import FatalError
+from dualwrite.errors import ConfigurationError, FatalError
 
 __all__ = [
     "LIBRDKAFKA_LOGGER",
     "Secret",
     "authentication_failure",
+    "bootstrap_servers",
+    "check_kafka_config",
+    "check_timeout",
     "install_log_redaction",
     "kafka_python_config",
     "librdkafka_config",
@@ -157,10 +161,65 @@ def redacted(config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+# host, host:port, [ipv6]:port, each optionally behind a listener name (PLAINTEXT://host:port).
+_SERVER = re.compile(r"(?:[A-Za-z][A-Za-z0-9_+.-]*://)?"
+                     r"(\[[0-9A-Fa-f:.]+\]|[\w-]{1,63}(?:\.[\w-]{1,63})*\.?)"
+                     r"(?::(\d{1,5}))?", re.ASCII)
+
+
+def bootstrap_servers(value: object) -> list[str]:
+    """The ``host:port`` entries of a ``bootstrap.servers`` value (a comma-separated str, or a
+    list of str); :class:`ConfigurationError` naming the bad entry if one is malformed."""
+    if isinstance(value, str):
+        entries = [s.strip() for s in value.split(",")]
+    elif isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
+        entries = [s.strip() for s in value]
+    else:
+        raise ConfigurationError(f"bootstrap.servers must be a str like 'host:9092,host2:9092', "
+                                 f"not {type(value).__name__}")
+    entries = [s for s in entries if s]
+    if not entries:
+        raise ConfigurationError("bootstrap.servers is empty: give the brokers as "
+                                 "'host:port[,host:port…]' (e.g. --bootstrap-servers "
+                                 "127.0.0.1:9092)")
+    for entry in entries:
+        found = _SERVER.fullmatch(entry)
+        port = found.group(2) if found is not None else None
+        if found is None or len(found.group(1)) > 253 or (port and not 0 < int(port) < 65536):
+            raise ConfigurationError(f"bootstrap.servers entry {entry!r} is not host:port "
+                                     "(a port from 1 to 65535; IPv6 as [addr]:port)")
+    return entries
+
+
+def check_kafka_config(config: object) -> dict[str, Any]:
+    """A copy of a confluent-kafka configuration after the checks that need no broker: a
+    mapping of str keys with a well-formed ``bootstrap.servers``. librdkafka checks the values
+    of its own settings when the producer starts."""
+    if not isinstance(config, Mapping):
+        raise ConfigurationError(f"the Kafka configuration must be a dict of librdkafka "
+                                 f"settings, not {type(config).__name__}")
+    bad = [k for k in config if not isinstance(k, str)]
+    if bad:
+        raise ConfigurationError(f"Kafka setting names must be str, not {bad[0]!r}")
+    if "bootstrap.servers" not in config:
+        raise ConfigurationError("the Kafka configuration has no 'bootstrap.servers'")
+    bootstrap_servers(config["bootstrap.servers"])
+    return dict(config)
+
+
+def check_timeout(value: object, name: str = "timeout_s") -> float:
+    """``value`` as a positive, finite number of seconds, or :class:`ConfigurationError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(f"{name} must be a number of seconds, not "
+                                 f"{type(value).__name__}")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigurationError(f"{name} must be a positive number of seconds, not {value!r}")
+    return float(value)
+
+
 def kafka_python_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """Map the connection and security part of a confluent-kafka config to kafka-python."""
-    if "bootstrap.servers" not in config:
-        raise FatalError("the Kafka configuration has no 'bootstrap.servers'")
+    check_kafka_config(config)
     out: dict[str, Any] = {}
     for key, value in config.items():
         if key in _DIRECT:
@@ -173,15 +232,13 @@ def kafka_python_config(config: Mapping[str, Any]) -> dict[str, Any]:
         elif key == "ssl.endpoint.identification.algorithm":
             out["ssl_check_hostname"] = str(value).lower() == "https"
         elif key.startswith(("sasl.", "ssl.")):
-            raise FatalError(
+            raise ConfigurationError(
                 f"the Kafka setting {key!r} is not supported by dualwrite's control plane; "
                 "use SASL PLAIN/SCRAM with username and password, or SSL with PEM files"
             )
         elif not key.startswith(_DATA_PATH_ONLY):
             log.debug("control plane ignores Kafka setting %s", key)
-    servers = out["bootstrap_servers"]
-    if isinstance(servers, str):
-        out["bootstrap_servers"] = [s.strip() for s in servers.split(",") if s.strip()]
+    out["bootstrap_servers"] = bootstrap_servers(out["bootstrap_servers"])
     return out
 
 

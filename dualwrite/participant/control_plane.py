@@ -33,15 +33,24 @@ from dualwrite.errors import (
     FatalError,
     OutcomeUnknownError,
     RetriableError,
+    UnknownTopicError,
 )
 from dualwrite.participant._kafka_python_seam import (
     KafkaLink,
     end_txn_request,
     init_producer_id_request,
 )
-from dualwrite.participant.client_config import authentication_failure, kafka_python_config
+from dualwrite.participant.client_config import (
+    authentication_failure,
+    check_timeout,
+    kafka_python_config,
+)
 from dualwrite.participant.identifiers import ProducerIdentity, TopicPartition
-from dualwrite.participant.kafka_errors import RetriableKafkaError, raise_for_code
+from dualwrite.participant.kafka_errors import (
+    RetriableKafkaError,
+    raise_for_code,
+    topic_write_denied,
+)
 
 __all__ = [
     "ActiveProducer",
@@ -254,7 +263,7 @@ class ControlPlane:
     """
 
     def __init__(self, config: Mapping[str, Any], *, timeout_s: float = 30.0) -> None:
-        self._timeout_s = timeout_s
+        self._timeout_s = timeout_s = check_timeout(timeout_s)
         kp = kafka_python_config(config)
         kp.setdefault("client_id", "dualwrite-control-plane")
         kp["request_timeout_ms"] = int(timeout_s * 1000)
@@ -458,10 +467,26 @@ class ControlPlane:
         broker does not say. librdkafka purges a transaction's records when AddPartitionsToTxn
         fails with TOPIC_AUTHORIZATION_FAILED and reports only the purge: this names the cause.
         """
+        return self._missing_topic_acls(self._describe_topics(topics), operation)
+
+    def check_topics_writable(self, topics: Iterable[str]) -> None:
+        """Raise :class:`UnknownTopicError` for a topic that does not exist and
+        :class:`AuthorizationError` naming the ACL for one this principal may not write to (one
+        Metadata request): what a batch checks before its tasks produce."""
+        described = self._describe_topics(topics)
+        for topic in described:
+            if topic.get("error_code") == 3:  # UNKNOWN_TOPIC_OR_PARTITION
+                raise UnknownTopicError(str(topic["name"]), "Metadata: UNKNOWN_TOPIC_OR_PARTITION")
+        missing = self._missing_topic_acls(described, "WRITE")
+        if missing:
+            raise topic_write_denied(missing, "Metadata: topic authorized operations")
+
+    def _describe_topics(self, topics: Iterable[str]) -> list[dict[str, Any]]:
         names = sorted(set(topics))
-        if not names:
-            return []
-        described = self._call(self._admin.describe_topics, names)
+        return list(self._call(self._admin.describe_topics, names)) if names else []
+
+    @staticmethod
+    def _missing_topic_acls(described: list[dict[str, Any]], operation: str) -> list[str]:
         missing = []
         for topic in described:
             ops = topic.get("authorized_operations")

@@ -16,11 +16,14 @@ from dualwrite.errors import (
     BrokerUnreachableError,
     DualWriteError,
     FatalError,
+    InvalidRecordError,
     KafkaErrorInfo,
     KafkaProtocolError,
     ProducerFencedError,
+    RecordTooLargeError,
     RecoverableError,
     RetriableError,
+    UnknownTopicError,
 )
 
 __all__ = [
@@ -33,7 +36,9 @@ __all__ = [
     "hides_its_cause",
     "librdkafka_error",
     "raise_for_code",
+    "record_error",
     "required_acl",
+    "topic_write_denied",
 ]
 
 # What to do about the codes the transaction control plane meets. Everything else falls back to
@@ -188,16 +193,90 @@ def raise_for_code(code: int, context: str, *, resource: str | None = None) -> N
 # the advice added to the message. Broker codes keep their protocol numbers (47, 90, 29 …);
 # librdkafka's own are negative (_FENCED).
 _FENCED_ADVICE = "another producer with this transactional id took over — stop this one"
-_ACL_ADVICE = ("grant the missing ACL (WRITE on the transactional id and topics; READ on the "
-               "topics for recovery's anchor check; see README.md, \"Secured clusters\")")
 _LIBRDKAFKA_BY_CODE: dict[int, tuple[type[DualWriteError], str]] = {
     KafkaError._FENCED: (ProducerFencedError, _FENCED_ADVICE),
     KafkaError.PRODUCER_FENCED: (ProducerFencedError, _FENCED_ADVICE),
     KafkaError.INVALID_PRODUCER_EPOCH: (ProducerFencedError, _FENCED_ADVICE),
-    KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED: (FatalError, _ACL_ADVICE),
-    KafkaError.TOPIC_AUTHORIZATION_FAILED: (FatalError, _ACL_ADVICE),
-    KafkaError.CLUSTER_AUTHORIZATION_FAILED: (FatalError, _ACL_ADVICE),
 }
+# Missing ACLs librdkafka reports (with the broker's codes): AuthorizationError naming the ACL.
+_LIBRDKAFKA_AUTHORIZATION = frozenset({KafkaError.TOPIC_AUTHORIZATION_FAILED,
+                                       KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+                                       KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED})
+
+# Errors of one record or its topic that sending again cannot fix, whether librdkafka raises
+# them from produce() (its own checks) or reports them for a delivery (the broker's answer):
+# the kind of error and what to do. Anything else about a record is retried or aborted as before.
+_UNKNOWN_TOPIC, _TOO_LARGE, _INVALID = "unknown topic", "too large", "invalid"
+_RECORD_CODES: dict[int, tuple[str, str]] = {
+    KafkaError.UNKNOWN_TOPIC_OR_PART: (_UNKNOWN_TOPIC, ""),
+    KafkaError._UNKNOWN_TOPIC: (_UNKNOWN_TOPIC, ""),
+    KafkaError._UNKNOWN_PARTITION: (_INVALID, "the partition does not exist in the topic; "
+                                    "leave partition unset or use an existing one"),
+    KafkaError.TOPIC_EXCEPTION: (_INVALID, "the topic name is not valid"),
+    KafkaError.MSG_SIZE_TOO_LARGE: (_TOO_LARGE, ""),
+    KafkaError.RECORD_LIST_TOO_LARGE: (_TOO_LARGE, ""),
+    KafkaError.INVALID_MSG_SIZE: (_INVALID, "the record's size is invalid"),
+    KafkaError.INVALID_RECORD: (_INVALID, "the broker rejected the record (a compacted "
+                                "topic needs a key; see the broker log)"),
+    KafkaError.INVALID_TIMESTAMP: (_INVALID, "the record's timestamp is outside the topic's "
+                                   "message.timestamp.*.max.ms bounds"),
+}
+
+
+def record_error(exc: BaseException, topic: str, context: str, *, size: int | None = None,
+                 client_limit: int | None = None) -> DualWriteError | None:
+    """The typed error for a record librdkafka refused (``local``) or a broker rejected, when
+    sending it again cannot help; None for any other error.
+
+    ``size`` is the record's key and value size; ``client_limit`` the producer's
+    ``message.max.bytes`` when librdkafka itself refused it (before sending), None when the
+    broker did. A topic authorization failure names the WRITE ACL on ``topic``.
+    """
+    err = _librdkafka_cause(exc)
+    if err is None:
+        return None
+    code = err.code()
+    if code == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+        return _authorization_error(err, context, topic)
+    kind, advice = _RECORD_CODES.get(code, ("", ""))
+    text = f"{context}: {err.name()} ({err.str()})"
+    if kind == _UNKNOWN_TOPIC:
+        return UnknownTopicError(topic, text)
+    if kind == _INVALID:
+        return InvalidRecordError(topic, f"{text}: {advice}; sending it again will fail again")
+    if kind != _TOO_LARGE:
+        return None
+    sized = f"a record of {size} bytes" if size is not None else "a record"
+    if client_limit is not None:
+        limit = f"message.max.bytes={client_limit}"
+        where = (f"the producer's {limit} (a client setting; the topic's max.message.bytes "
+                 "must allow it too)")
+    else:
+        limit = "max.message.bytes"
+        where = ("the topic's max.message.bytes (or the broker's message.max.bytes), which "
+                 "the broker enforces")
+    return RecordTooLargeError(
+        topic, f"{context}: {sized} is larger than {where} ({err.name()}); make the record "
+        "smaller or raise the limit — sending it again will fail again", size=size, limit=limit)
+
+
+def topic_write_denied(missing: list[str], context: str) -> AuthorizationError:
+    """The error for topics this principal may not write to (``missing``: their ACLs, as
+    :meth:`ControlPlane.missing_topic_acls` names them)."""
+    info = error_info(KafkaError.TOPIC_AUTHORIZATION_FAILED)
+    acls = ", ".join(missing)
+    advice = f"Missing ACL: grant {acls} to this principal (see README.md, \"Secured clusters\")."
+    return AuthorizationError(KafkaErrorInfo(info.code, info.name, False, advice), context, acls)
+
+
+def _authorization_error(err: KafkaError, context: str, resource: str | None) -> DualWriteError:
+    info = error_info(err.code())
+    acl = required_acl(err.code(), context, resource)
+    advice = f"Missing ACL: grant {acl} to this principal (see README.md, \"Secured clusters\")."
+    return AuthorizationError(KafkaErrorInfo(info.code, info.name, False, advice),
+                              f"{context}: {err.str()}", acl)
+
+
 # Retriable errors that mean no broker answered in time.
 _UNREACHABLE_CODES = frozenset({KafkaError._TIMED_OUT, KafkaError._TRANSPORT,
                                 KafkaError._ALL_BROKERS_DOWN})
@@ -229,7 +308,8 @@ def ends_only_the_session(exc: BaseException) -> bool:
     (e.g. OUT_OF_ORDER_SEQUENCE_NUMBER after a request timed out): the session cannot go on,
     but a new session of the same transactional id can."""
     err = _librdkafka_cause(exc)
-    return err is not None and err.fatal() and err.code() not in _LIBRDKAFKA_BY_CODE
+    return (err is not None and err.fatal() and err.code() not in _LIBRDKAFKA_BY_CODE
+            and err.code() not in _LIBRDKAFKA_AUTHORIZATION)
 
 
 def librdkafka_error(exc: BaseException, context: str, *,
@@ -247,6 +327,8 @@ def librdkafka_error(exc: BaseException, context: str, *,
     if err is None:
         return otherwise(f"{context}: {exc!r}")
     text = f"{context}: {err.name()} ({err.str()})"
+    if err.code() in _LIBRDKAFKA_AUTHORIZATION:
+        return _authorization_error(err, context, None)
     by_code = _LIBRDKAFKA_BY_CODE.get(err.code())
     if by_code is not None:
         error_class, advice = by_code

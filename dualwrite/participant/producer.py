@@ -17,10 +17,12 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from dualwrite.errors import (
+    ConfigurationError,
     DeliveryTimeoutError,
     DualWriteError,
     FatalError,
     HeuristicAbortError,
+    InvalidRecordError,
     OutcomeUnknownError,
     OutcomeUnreadableError,
     ProducerFencedError,
@@ -28,7 +30,11 @@ from dualwrite.errors import (
     RetriableError,
     TransactionStateError,
 )
-from dualwrite.participant.client_config import librdkafka_config
+from dualwrite.participant.client_config import (
+    check_kafka_config,
+    check_timeout,
+    librdkafka_config,
+)
 from dualwrite.participant.completion import OwnerAlive, complete
 from dualwrite.participant.control_plane import ControlPlane, TxnState
 from dualwrite.participant.coordinator_link import CoordinatorLinkWatch
@@ -37,6 +43,8 @@ from dualwrite.participant.kafka_errors import (
     ends_only_the_session,
     hides_its_cause,
     librdkafka_error,
+    record_error,
+    topic_write_denied,
 )
 from dualwrite.participant.outcome import Outcome
 from dualwrite.participant.prepared_state import PreparedTxnState
@@ -69,11 +77,13 @@ class TwoPhaseProducer:
 
     def __init__(self, config: Mapping[str, Any], *, control_plane: ControlPlane | None = None,
                  timeout_s: float = 30.0) -> None:
+        config = check_kafka_config(config)
         tid = config.get("transactional.id")
-        if not tid:
-            raise FatalError("TwoPhaseProducer needs 'transactional.id' in its configuration")
-        self._tid = str(tid)
-        self._timeout_s = timeout_s
+        if not tid or not isinstance(tid, str):
+            raise ConfigurationError("TwoPhaseProducer needs 'transactional.id' (a non-empty str) "
+                                     "in its configuration")
+        self._tid = tid
+        self._timeout_s = timeout_s = check_timeout(timeout_s)
         self._owns_cp = control_plane is None
         self._cp = control_plane or ControlPlane(config, timeout_s=timeout_s)
         self._config = librdkafka_config(config)
@@ -89,7 +99,10 @@ class TwoPhaseProducer:
         self._identity: ProducerIdentity | None = None
         self._first_offsets: dict[TopicPartition, int] = {}
         self._first_raw: dict[tuple[Any, Any], Any] = {}
-        self._delivery_errors: list[tuple[str, KafkaError]] = []
+        self._delivery_errors: list[tuple[str, int, KafkaError, int]] = []
+        """(topic, partition, error, key and value bytes) of each failed delivery."""
+        self._known_topics: set[str] = set()
+        """Topics whose metadata this producer has seen: checked once, on first use."""
         self._unconfirmed = False
         """The flush of the open transaction failed or timed out: some records may be in the
         log unacknowledged, so it is aborted by a new session (see _abort_by_new_session)."""
@@ -210,11 +223,17 @@ class TwoPhaseProducer:
         self._start_librdkafka()
 
     def _start_librdkafka(self) -> None:
-        producer = Producer(self._config)
+        try:
+            producer = Producer(self._config)
+        except (KafkaException, TypeError, ValueError) as exc:
+            cause = exc.args[0].str() if isinstance(exc, KafkaException) else str(exc)
+            raise ConfigurationError(f"the Kafka configuration of {self._tid!r} is not valid: "
+                                     f"{cause}") from None
         try:
             producer.init_transactions(self._timeout_s)
         except KafkaException as exc:
-            raise librdkafka_error(exc, f"init_transactions({self._tid})") from exc
+            raise librdkafka_error(
+                exc, f"init_transactions (InitProducerId) transactional_id={self._tid}") from exc
         self._producer = producer
         desc = self._cp.describe_transaction(self._tid)
         if desc is None:
@@ -291,6 +310,8 @@ class TwoPhaseProducer:
         producer = self._producer
         assert producer is not None
         try:
+            if topic not in self._known_topics:
+                self._check_topic(topic)
             if partition is None and headers is None and not timestamp and on_delivery is None:
                 # Once per record: the common case goes straight to librdkafka.
                 try:
@@ -317,8 +338,48 @@ class TwoPhaseProducer:
             self._produced += 1
             if not self._produced & 255:
                 producer.poll(0)  # serve delivery reports now and then, not per record
-        except (KafkaException, SystemError) as exc:
-            raise self._fail(exc, f"produce to {topic}") from exc
+        except (KafkaException, SystemError, TypeError, ValueError) as exc:
+            raise self._refused(exc, topic, value, key) from exc
+
+    def _check_topic(self, topic: str) -> None:
+        """Ask for ``topic``'s metadata on its first use by this producer (one round trip, then
+        cached): librdkafka reports a missing topic only after ``message.timeout.ms``, a
+        topic it may not describe as a purge."""
+        assert self._producer is not None
+        context = f"produce to {topic!r}: metadata"
+        if not isinstance(topic, str) or not topic:
+            raise InvalidRecordError(str(topic), f"produce: the topic must be a non-empty str, "
+                                     f"not {topic!r}")
+        try:
+            metadata = self._producer.list_topics(topic, self._timeout_s)
+        except KafkaException as exc:
+            raise librdkafka_error(exc, context, otherwise=RetriableError) from exc
+        found = metadata.topics.get(topic)
+        error = found.error if found is not None else None
+        if error is not None:
+            refused = record_error(KafkaException(error), topic, context)
+            if refused is not None:
+                raise refused
+            return  # e.g. LEADER_NOT_AVAILABLE on a new topic: let librdkafka wait for it
+        self._known_topics.add(topic)
+
+    def _refused(self, exc: BaseException, topic: str, value: object,
+                 key: object) -> DualWriteError:
+        """The error for a record librdkafka did not take. A record it refused by itself (its
+        type, its size, its partition) leaves the transaction as it was; any other failure
+        fails the transaction (:meth:`_fail`)."""
+        if isinstance(exc, (TypeError, ValueError)):
+            return InvalidRecordError(
+                topic, f"produce to {topic!r}: {exc}; key and value must be bytes, str or None "
+                "(serialize other values first, e.g. json.dumps(value).encode()), partition "
+                "an int, headers a dict or list of (str, bytes | str) pairs")
+        refused = record_error(exc, topic, f"produce to {topic!r}",
+                               size=_size(key) + _size(value),
+                               client_limit=int(self._config.get("message.max.bytes",
+                                                                 1_000_000)))
+        if refused is not None:  # refused by librdkafka itself: nothing was enqueued
+            return refused
+        return self._fail(exc, f"produce to {topic}")
 
     def _produce_when_room(self, topic: str, value: bytes | str | None,
                            key: bytes | str | None, extra: dict[str, Any]) -> None:
@@ -341,9 +402,15 @@ class TwoPhaseProducer:
         """
         self._require(_Phase.IN_TRANSACTION, verb="produce_many")
         assert self._producer is not None
+        try:
+            if topic not in self._known_topics:
+                self._check_topic(topic)
+        except TypeError as exc:
+            raise self._refused(exc, topic, None, None) from exc
         produce, poll = self._producer.produce, self._producer.poll
         delivered = self._delivered
         count = 0
+        key = value = None
         try:
             for key, value in records:
                 while True:
@@ -355,8 +422,8 @@ class TwoPhaseProducer:
                 count += 1
                 if count & 1023 == 0:
                     poll(0)
-        except (KafkaException, SystemError) as exc:
-            raise self._fail(exc, f"produce to {topic}") from exc
+        except (KafkaException, SystemError, TypeError, ValueError) as exc:
+            raise self._refused(exc, topic, value, key) from exc
         finally:
             self._produced += count
         return count
@@ -368,8 +435,10 @@ class TwoPhaseProducer:
         producer is idempotent), so the first report of a partition carries its first offset.
         """
         if err is not None:
-            self._delivery_errors.append((f"{msg.topic()}[{msg.partition()}]", err))
-            self._failed_topics.add(str(msg.topic()))
+            topic = str(msg.topic())
+            self._delivery_errors.append((topic, msg.partition() or 0, err,
+                                          len(msg.key() or b"") + len(msg.value() or b"")))
+            self._failed_topics.add(topic)
             return
         self._first_raw.setdefault((msg.topic(), msg.partition()), msg.offset())
 
@@ -400,10 +469,18 @@ class TwoPhaseProducer:
                                        f"({self._ids()})")
         if self._delivery_errors:
             self._phase = _Phase.FAILED
-            for where, err in self._delivery_errors:
-                failed = librdkafka_error(KafkaException(err), f"delivery to {where}")
+            for topic, partition, err, _ in self._delivery_errors:
+                failed = librdkafka_error(KafkaException(err), f"delivery to {topic}[{partition}]")
                 if isinstance(failed, ProducerFencedError):
                     raise failed
+            for topic, partition, err, size in self._delivery_errors:
+                # A record the broker rejects for good (too large, invalid, unknown topic):
+                # sending the transaction again would fail again.
+                refused = record_error(KafkaException(err), topic,
+                                       f"delivery to {topic}[{partition}]", size=size)
+                if refused is not None:
+                    self._known_topics.discard(topic)
+                    raise refused
             # librdkafka purges the records of a transaction whose AddPartitionsToTxn failed
             # (e.g. TOPIC_AUTHORIZATION_FAILED) and reports only "Purged in queue".
             try:
@@ -411,13 +488,12 @@ class TwoPhaseProducer:
             except DualWriteError:
                 missing = []
             if missing:
-                raise FatalError(
-                    f"{len(self._delivery_errors)} records failed delivery: Missing ACL: grant "
-                    f"{', '.join(missing)} to this principal (see README.md, \"Secured "
-                    f"clusters\"); {self._ids()}")
-            where, err = self._delivery_errors[0]
+                raise topic_write_denied(missing, f"{len(self._delivery_errors)} records failed "
+                                         f"delivery ({self._ids()})")
+            topic, partition, err, _ = self._delivery_errors[0]
             raise RetriableError(f"{len(self._delivery_errors)} records failed delivery (first: "
-                                 f"{where}: {err.str()}); abort_transaction() and retry")
+                                 f"{topic}[{partition}]: {err.str()}); abort_transaction() and "
+                                 "retry")
         self._first_offsets = {TopicPartition(str(t), int(p)): int(o)
                                for (t, p), o in self._first_raw.items()}
         if not self._first_offsets:
@@ -668,3 +744,10 @@ class TwoPhaseProducer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _size(data: object) -> int:
+    """Bytes of a key or value as librdkafka sends it."""
+    if isinstance(data, str):
+        return len(data.encode())
+    return len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0

@@ -37,6 +37,7 @@ from dualwrite.errors import (
     HeuristicAbortError,
     OutcomeUnreadableError,
 )
+from dualwrite.participant.client_config import check_kafka_config
 from dualwrite.participant.completion import (
     Prefetched,
     complete,
@@ -151,8 +152,8 @@ class RecoveryRun:
                     for tid in ids if tid not in held.ids}
                 acting = [tid for tid in ids if tid in held.ids]
                 if acting:
-                    results.update(self._resolve_held(held.connection, acting, first_pass,
-                                                      stored))
+                    results.update(self._resolve_held(held.connection, held.backend_pid,
+                                                      acting, first_pass, stored))
                 return [results[tid] for tid in ids]
         except (BrokerUnreachableError, DatabaseUnreachableError) as exc:
             return [RecoveryResult(tid, stored.get(tid, ""), Outcome.FAILED, str(exc),
@@ -162,15 +163,17 @@ class RecoveryRun:
             return [RecoveryResult(tid, stored.get(tid, ""), Outcome.FAILED, str(exc),
                                    fatal=isinstance(exc, FatalError)) for tid in ids]
 
-    def _resolve_held(self, lease_conn: Connection | None, ids: Sequence[str],
-                      first_pass: bool, stored: dict[str, str]
+    def _resolve_held(self, lease_conn: Connection | None, lease_pid: int | None,
+                      ids: Sequence[str], first_pass: bool, stored: dict[str, str]
                       ) -> dict[str, RecoveryResult | None]:
         """:meth:`_resolve_chunk` for ids whose leases recovery holds (on ``lease_conn``'s
-        session, which then does the work too: one connection per chunk). Fills ``stored`` with
-        each id's state text as read, for the chunk's failure report."""
+        session, server process ``lease_pid``, which then does the work too: one connection
+        per chunk). Fills ``stored`` with each id's state text as read, for the chunk's failure
+        report."""
         results: dict[str, RecoveryResult | None] = {}
         claimed = self._store.claim(ids, connection=lease_conn)
         with transaction(self._engine, connection=lease_conn) as conn:
+            self._leases.verify_session(conn, lease_pid)
             states: dict[str, PreparedTxnState] = {}
             for tid, row in self._store.lock_rows(conn, ids).items():
                 text = stored[tid] = row.prepared_txn_state
@@ -364,6 +367,7 @@ def recover(engine: Engine | str, kafka_config: Mapping[str, Any],
     its batch marked completed), after the application re-published the lost records.
     """
     started = time.monotonic()
+    kafka_config = check_kafka_config(kafka_config)  # bad input fails before any work
     engine = create_engine(engine) if isinstance(engine, str) else engine
     if transactional_ids is None:
         ids = [r.transactional_id for r in StateStore(engine).read_all()]
@@ -402,6 +406,7 @@ def status(engine: Engine | str, kafka_config: Mapping[str, Any], *,
     pool are reported under the sink: its in-doubt batch's participants, and the others as
     lingering (``dualwrite recover`` or the sink's next start aborts them).
     """
+    kafka_config = check_kafka_config(kafka_config)  # bad input fails before any work
     engine = create_engine(engine) if isinstance(engine, str) else engine
     rows: list[StateRow] = StateStore(engine).read_all()
     decisions = DecisionLog(engine)

@@ -14,7 +14,7 @@ from pyspark.sql import functions as F
 from dualwrite.batch.coordinator import BatchCoordinator, BatchTimings, SinkRecovery
 from dualwrite.batch.decision_log import Participant, StagingTable, check_sink_id
 from dualwrite.database import create_engine, mask_url, upgrade_database
-from dualwrite.errors import DualWriteError, FatalError, RetriableError
+from dualwrite.errors import ConfigurationError, DualWriteError, RetriableError
 from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.participant.prepared_state import PreparedTxnState
 from dualwrite.spark._task import KEY, RESULT_SCHEMA, VALUE, TaskPlan, write_partition
@@ -50,8 +50,8 @@ class ExactlyOnceSink:
                  batch_attempts: int = 3, migrate: bool = True,
                  max_participants: int | None = None) -> None:
         if "transactional.id" in kafka_config:
-            raise FatalError("ExactlyOnceSink assigns transactional ids itself (a pool per sink); "
-                             "remove 'transactional.id' from kafka_config")
+            raise ConfigurationError("ExactlyOnceSink assigns transactional ids itself (a pool "
+                                     "per sink); remove 'transactional.id' from kafka_config")
         self.sink_id = check_sink_id(sink_id)
         self.topic = topic
         self.database_url = database_url
@@ -64,7 +64,7 @@ class ExactlyOnceSink:
         self._batch_attempts = max(1, batch_attempts)
         self._migrate = migrate
         if max_participants is not None and max_participants < 1:
-            raise ValueError("max_participants must be at least 1")
+            raise ConfigurationError("max_participants must be at least 1")
         self._max_participants = max_participants
         self._coordinator: BatchCoordinator | None = None
         self._control_plane: ControlPlane | None = None
@@ -137,6 +137,10 @@ class ExactlyOnceSink:
             if self.on_batch is not None:
                 self.on_batch(batch_id, None, 0)
             return
+        # A missing or unwritable topic fails the batch here, typed, before any task runs (a
+        # task would learn it only after message.timeout.ms, and Spark would retry it).
+        assert self._control_plane is not None
+        self._control_plane.check_topics_writable([self.topic])
         plan = TaskPlan(self.sink_id, batch_id, self.topic, self._kafka_config,
                         self.database_url if self.target_table else None, self.target_table,
                         self._table_columns or (), self._timeout_s)

@@ -8,7 +8,9 @@ Once a writer's session is established and it holds its id's lease (:mod:`dualwr
 the lock waits for the block's first record or first use of the database: a record produced first is
 on its way while the lock is taken, and the row's fencing generation, read under the lock, tells
 whether anyone could have ended or fenced its transaction meanwhile (then it starts over; see
-"Claims" and "Leases" in docs/design.md).
+"Claims" and "Leases" in docs/design.md). After each Kafka commit the writer checks that the
+session holding its lease is still the one that took it; a lost session means a new producer
+session and a lock first ("The lease under session loss").
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -25,6 +27,7 @@ from sqlalchemy import Connection, Engine
 
 from dualwrite.database import create_engine, database_error
 from dualwrite.errors import (
+    ConfigurationError,
     DatabaseUnreachableError,
     DualWriteError,
     FatalError,
@@ -35,11 +38,12 @@ from dualwrite.errors import (
     RetriableError,
     TransactionStateError,
 )
+from dualwrite.participant.client_config import check_kafka_config, check_timeout
 from dualwrite.participant.completion import committed_at_anchor
 from dualwrite.participant.identifiers import TopicPartition
 from dualwrite.participant.prepared_state import PreparedTxnState
 from dualwrite.participant.producer import Headers, TwoPhaseProducer
-from dualwrite.writer.lease import Lease, Leases
+from dualwrite.writer.lease import Lease, Leases, pooler_error
 from dualwrite.writer.state_store import StateRow, StateStore, writer_connection
 
 __all__ = ["DualWriteTransaction", "DualWriter", "PhaseHooks"]
@@ -204,24 +208,21 @@ class DualWriter:
                  verify: Literal["auto", "always"] = "auto",
                  hooks: PhaseHooks | None = None) -> None:
         if verify not in ("auto", "always"):
-            raise ValueError(f"verify must be 'auto' or 'always', not {verify!r}")
+            raise ConfigurationError(f"verify must be 'auto' or 'always', not {verify!r}")
         self._verify_mode = verify
         self._hooks = hooks if hooks is not None else _NO_HOOKS
-        try:
-            self._engine = create_engine(engine) if isinstance(engine, str) else engine
-        except (sa.exc.ArgumentError, ValueError) as exc:  # the text may show the password
-            raise FatalError("DualWriter: the database URL (not shown: it may hold a password) "
-                             "is not valid, or its driver is not installed "
-                             f"({type(exc).__name__})") from None
-        config = dict(kafka_config)
+        config = check_kafka_config(kafka_config)
+        timeout_s = check_timeout(timeout_s)
+        # Its errors name the URL with the password masked, or not at all.
+        self._engine = engine if isinstance(engine, Engine) else create_engine(engine)
         if "linger.ms" not in config and "queue.buffering.max.ms" not in config:
             # Records leave at once, in flight while the block writes its rows; librdkafka's
             # default (5 ms) would hold them until the prepare's flush.
             config["linger.ms"] = 0
         if transactional_id is not None:
             config["transactional.id"] = transactional_id
-        if not config.get("transactional.id"):
-            raise FatalError("DualWriter needs a transactional_id")
+        if not config.get("transactional.id") or not isinstance(config["transactional.id"], str):
+            raise ConfigurationError("DualWriter needs a transactional_id (a non-empty str)")
         self._tid = str(config["transactional.id"])
         self._config = config
         self._timeout_s = timeout_s
@@ -238,8 +239,11 @@ class DualWriter:
         self._leases = Leases(self._engine)
         self._lease: Lease | None = None
         """Held while this writer may begin transactions before taking the row lock."""
-        self._locked_xid: int | None = None
-        """PostgreSQL: the database transaction holding the row lock (names the decision)."""
+        self._locked: StateRow | None = None
+        """The row as locked by the database transaction holding the lock; on PostgreSQL its
+        transaction id and server name the decision (:meth:`StateStore.commit_status`)."""
+        self._lease_check: Future[str] | None = None
+        """The check of the lease begun after the last Kafka commit (:meth:`_check_lease`)."""
         self._helper = ThreadPoolExecutor(1, thread_name_prefix=f"dualwrite-{self._tid}")
 
     @property
@@ -251,7 +255,9 @@ class DualWriter:
         if self._producer is None:
             # Claim the id (its state row, committed) before the session can act on Kafka: it
             # creates the row, so that recovery, which visits state rows, finds a crash in the
-            # very first transaction too.
+            # very first transaction too. A pooler that would make the lease meaningless is
+            # refused first (Leases.check_sessions).
+            self._leases.check_sessions()
             self._claim()
             producer = TwoPhaseProducer(self._config, timeout_s=self._timeout_s)
             producer.init_transactions(keep_prepared_txn=True)
@@ -270,6 +276,7 @@ class DualWriter:
                     log.info("could not clear the state of transactional_id=%s: %s", self._tid,
                              exc)
             producer.close()
+        self._lease_verdict()  # a check still running uses the connection
         self._drop_connection()
         if self._lease is not None:
             self._lease.release()
@@ -331,6 +338,65 @@ class DualWriter:
                          "row after their first record", self._tid)
         return self._lease is not None
 
+    def _lease_intact(self) -> bool:
+        """Whether the next transaction may begin before its row lock.
+
+        Only while this writer's lease has been held without a break since its last Kafka
+        commit. Recovery (or a second writer) commits a transaction by (producer id, epoch) only
+        once it holds the lease, and only if it found that transaction open: before this
+        writer's Kafka commit of it. A check after that commit which finds the session that
+        took the lease still running, and the id unclaimed, proves nobody did; the session lost
+        instead (a restart, pg_terminate_backend, idle_session_timeout, a failover), someone
+        may have, with an EndTxn still on its way that would land on the next transaction of
+        this session. So the writer starts a new producer session (the epoch moves and such a
+        request is refused) and locks first. The lease lost later than the check changes
+        nothing: the transactions begun since are not decided yet, so whoever acts can only
+        abort them, and the late lock shows their claim (then the writer starts over, again
+        in a new session).
+        """
+        verdict = self._lease_verdict()
+        if self._generation is None or self._lease is None:
+            return False
+        if not self._lease.ends_with_connection:
+            return True  # a file lock: held as long as this process lives
+        if verdict is None:  # no Kafka commit since the lease was taken: ask now
+            verdict = self._check_lease()
+            self._lease_check = None
+        if verdict == "intact":
+            return True
+        if verdict == "lost":
+            log.warning("transactional_id=%s: the database session that held the lease ended "
+                        "(server restart, terminated backend, failover?); starting a new "
+                        "producer session and locking first", self._tid)
+            self._drop_connection()
+            self._close_producer()
+            self._generation = None
+        else:
+            self._lease_check = None  # claimed: locking first settles it
+        return False
+
+    def _lease_verdict(self) -> str | None:
+        """The answer of the check begun after the last Kafka commit (waited for), if any."""
+        check = self._lease_check
+        return None if check is None else check.result()
+
+    def _check_lease(self) -> str:
+        """``"intact"``: the writer's connection still runs the session that took the lease
+        and the id's generation is still this writer's; ``"claimed"``: someone claimed it;
+        ``"lost"``: the session is another one, or did not answer."""
+        conn, lease, generation = self._conn, self._lease, self._generation
+        if conn is None or lease is None:
+            return "lost"
+        try:
+            stored, backend_pid = self._store.generation_on(conn, self._tid)
+        except DualWriteError as exc:
+            log.info("transactional_id=%s: checking the lease's session failed (%s)", self._tid,
+                     exc)
+            return "lost"
+        if not lease.held_by_session(backend_pid):
+            return "lost"
+        return "intact" if stored == generation else "claimed"
+
     @contextmanager
     def transaction(self) -> Iterator[DualWriteTransaction]:
         """One atomic unit: rows written with ``tx.connection`` and records from ``tx.produce``.
@@ -343,12 +409,13 @@ class DualWriter:
             # The last transaction could not be ended (its abort or commit failed): a new
             # session finishes it from the stored state, as after a restart.
             self._close_producer()
+        late = self._lease_intact()
         producer = self.producer
-        if self._generation is not None and self._lease is not None and producer.ready:
+        if late and producer.ready:
             producer.begin_transaction()
             tx = DualWriteTransaction(None, producer, self._lock_late)
         else:
-            conn = self._lock_and_settle(producer)
+            conn, producer = self._lock_and_settle(producer)
             try:
                 self._hooks.locked()
                 producer.begin_transaction()
@@ -388,6 +455,11 @@ class DualWriter:
             self._generation = self._claimed = None
             raise
         self._settled = str(state)
+        self._lease_check = None
+        if self._lease is not None and self._lease.ends_with_connection:
+            # Only now, after the Kafka commit: see _lease_intact. In the background, so that
+            # it costs the next transaction nothing if the application pauses in between.
+            self._lease_check = self._helper.submit(self._check_lease)
         self._hooks.kafka_committed(state)
 
     def _flush(self, tx: DualWriteTransaction, producer: TwoPhaseProducer) -> PreparedTxnState:
@@ -457,8 +529,7 @@ class DualWriter:
         self._rollback(conn)
         left = self._flush_quietly(producer) if sent else None
         self._abort_after_claim(producer)
-        again = self.producer  # a new session, under a claim of its own
-        conn = self._lock_and_settle(again)
+        conn, again = self._lock_and_settle(self.producer)  # a new session, its own claim
         try:
             self._hooks.locked()
             if left is not None:
@@ -498,7 +569,7 @@ class DualWriter:
                                transactional_id=self._tid, state=str(left)):
             raise HeuristicCommitError(
                 self._tid, str(left), "another process committed it by producer id and epoch "
-                "while this writer's lease was lost with its database session")
+                "before this writer's lock was granted")
         log.info("transactional_id=%s: the records sent before the lock were aborted (%s); "
                  "sending them again", self._tid, left)
 
@@ -526,20 +597,31 @@ class DualWriter:
                      "starting a new session", self._tid)
             self._close_producer()
         if fenced:
-            raise ProducerFencedError(
-                f"transactional_id={self._tid}: a newer producer of this transactional id took "
-                "over while this writer's transaction was starting; nothing was committed. Stop "
-                "this writer (two writers must not share a transactional id)")
+            raise self._taken_over("while this writer's transaction was starting")
+
+    def _taken_over(self, when: str) -> ProducerFencedError:
+        return ProducerFencedError(
+            f"transactional_id={self._tid}: a newer producer of this transactional id took over "
+            f"{when}; nothing was committed. Stop this writer (two writers must not share a "
+            "transactional id)")
 
     def _claim(self) -> None:
         self._generation = None
         self._claimed = self._store.claim([self._tid], timeout_s=self._timeout_s)[self._tid]
 
-    def _lock_and_settle(self, producer: TwoPhaseProducer, *, claim: bool = False) -> Connection:
+    def _lock_and_settle(self, producer: TwoPhaseProducer, *, claim: bool = False
+                         ) -> tuple[Connection, TwoPhaseProducer]:
         """Lock first, make sure the id is still this writer's claim, finish what is in doubt.
+        Returns the connection holding the lock and the producer to go on with.
 
         Another process's claim since this writer's means it may have acted on the id: claim
-        again, so that whatever this writer does next under the lock is its own to do.
+        again, so that whatever this writer does next under the lock is its own to do, and if
+        ``producer``'s session has started, start a new one. Whoever claimed may have sent an
+        EndTxn by that session's (producer id, epoch) that got no answer and is still on its
+        way; on the TV1 path it would land on the session's next transaction (KAFKA-17754),
+        while the new session's InitProducerId bumps the epoch, so the coordinator refuses it.
+        If the claim was a newer producer's, which fenced this one, the writer stops instead
+        (:class:`ProducerFencedError`), as it does when that shows at a late lock.
         """
         attempts = 0
         while attempts < _CLAIM_ATTEMPTS:
@@ -548,8 +630,16 @@ class DualWriter:
             conn, row = self._begin_and_lock()
             if row.fencing_generation not in (self._generation, self._claimed):
                 self._rollback(conn)
-                claim = True
                 attempts += 1
+                claim = producer.identity is None
+                if not claim:
+                    if producer.fenced_at_coordinator():
+                        raise self._taken_over("since this writer's last transaction")
+                    log.warning("transactional_id=%s was claimed by another process (fencing "
+                                "generation %d); starting a new producer session", self._tid,
+                                row.fencing_generation)
+                    self._close_producer()
+                    producer = self.producer  # claims
                 continue
             try:
                 self._take_lease(conn)
@@ -564,7 +654,7 @@ class DualWriter:
                 claim = False  # the loss is settled and committed: lock again for the block
                 continue
             self._generation, self._settled = row.fencing_generation, row.prepared_txn_state
-            return conn
+            return conn, producer
         raise RetriableError(f"transactional_id={self._tid} was claimed by other processes "
                              f"{_CLAIM_ATTEMPTS} times in a row; is another writer or recovery "
                              "running for it?")
@@ -585,7 +675,14 @@ class DualWriter:
                 except sa.exc.SQLAlchemyError as exc:
                     raise database_error(exc, self._engine.url) from exc
                 row = self._store.lock_row(conn, self._tid, timeout_s=self._timeout_s)
-                self._locked_xid = row.locked_by_xid
+                self._locked = row
+                held = self._lease.backend_pid if self._lease is not None else None
+                if None not in (held, row.locked_by_pid) and held != row.locked_by_pid:
+                    # The connection holding the lease is on another server session now: a
+                    # transaction pooler the start-up check did not catch (a busy one).
+                    raise pooler_error(self._engine, f"the writer's lease is held by backend "
+                                                     f"{held}, its transaction ran on "
+                                                     f"{row.locked_by_pid}")
                 return conn, row
             except BaseException as exc:
                 self._drop_connection()
@@ -615,6 +712,7 @@ class DualWriter:
         if self._lease is not None and self._lease.ends_with_connection:
             self._lease.release()
             self._lease = None
+            self._lease_check = None
         if conn is not None:
             try:
                 conn.close()
@@ -643,9 +741,9 @@ class DualWriter:
             # comes from ``conn.commit()``.
             log.warning("database COMMIT of transactional_id=%s state=%s failed (%s); asking the "
                         "database for the outcome", self._tid, state, exc.__class__.__name__)
-            xid = self._locked_xid
+            locked = self._locked
             self._drop_connection()  # a failed pipeline can leave the row locked until then
-            if not self._database_committed(state, xid):
+            if not self._database_committed(state, locked):
                 self._abort_quietly(producer)
                 if isinstance(exc, DualWriteError):
                     raise
@@ -654,17 +752,20 @@ class DualWriter:
         self._hooks.database_committed(state)
         producer.commit_transaction()
 
-    def _database_committed(self, state: PreparedTxnState, xid: int | None) -> bool:
-        """Whether the decision's database transaction committed: asked by its id, never by
-        comparing stored states (an empty block stores the same ``""`` as before, and recovery
-        may clear a state in between). Waits, bounded, while it is still in progress.
+    def _database_committed(self, state: PreparedTxnState, locked: StateRow | None) -> bool:
+        """Whether the decision's database transaction committed: asked by its id of the server
+        that ran it, never by comparing stored states alone (an empty block stores the same
+        ``""`` as before, and recovery may clear a state in between); after a failover or crash
+        restart, where the id may name another transaction, by the state row version it wrote
+        (:meth:`StateStore.commit_status`). Waits, bounded, while it is still in progress.
 
         SQLite (no ``xid``): a COMMIT that raised was not applied — SQLite commits atomically,
         and a failed COMMIT leaves the transaction open (busy) or rolls it back (I/O error).
         """
         unknown = (f"the database COMMIT of transactional_id={self._tid} state={state} has an "
                    "unknown outcome")
-        if xid is None:
+        xid = locked.locked_by_xid if locked is not None else None
+        if locked is None or xid is None:
             if self._engine.dialect.name == "sqlite":
                 return False
             raise OutcomeUnknownError(f"{unknown}: the lock returned no transaction id to ask "
@@ -672,7 +773,7 @@ class DualWriter:
         deadline = time.monotonic() + self._timeout_s
         while True:
             try:
-                status = self._store.transaction_status(xid)
+                status = self._store.commit_status(locked, str(state))
             except DatabaseUnreachableError as exc:
                 # A restarting server or a cut connection: ask again until the deadline. The
                 # outcome is not known, so it must not reach the caller as "retry".
@@ -689,8 +790,9 @@ class DualWriter:
             if status is None or time.monotonic() > deadline:
                 raise OutcomeUnknownError(
                     f"{unknown}: the database reports transaction {xid} as "
-                    f"{status or 'unknown'}; the Kafka transaction stays open: run `dualwrite "
-                    "recover` once the database transaction has ended")
+                    f"{status or 'unknown (too old, or run by a server it failed over from)'}; "
+                    "the Kafka transaction stays open: run `dualwrite recover` once the "
+                    "database transaction has ended (it decides by the state row)")
             time.sleep(0.05)
 
     def _abort_quietly(self, producer: TwoPhaseProducer) -> None:

@@ -10,15 +10,26 @@ id to its writer, and a second writer of the id waits for the holder to commit i
 transaction. A writer without the lease takes the row lock before it begins each transaction.
 
 PostgreSQL: a session-level advisory lock, held by the writer's own connection and released by
-the server when that session ends (also when the process dies). SQLite: an exclusive ``flock`` on
-a file beside the database file, released by the kernel when the process dies. An in-memory
-SQLite database has no leases (one process only): its writers always lock first.
+the server when that session ends (also when the process dies). It needs a server session of
+the writer's own: a direct connection, or a pooler in *session* pooling mode. A pooler in
+transaction (or statement) pooling mode, such as PgBouncer's ``pool_mode = transaction``, hands
+each transaction whatever server session is free, so a lock would stay with a pooled session (a
+crashed writer's forever) and another client could find itself holding it.
+:meth:`Leases.check_sessions` tells them apart once per engine and refuses such a pooler with a
+:class:`FatalError` naming it (:func:`pooler_error`); as that cannot be certain on a busy pooler,
+a lease also records its server process, which the writer and recovery compare with the one
+that runs their row locks.
+
+SQLite: an exclusive ``flock`` on a file beside the database file, released by the kernel when
+the process dies. An in-memory SQLite database has no leases (one process only): its writers
+always lock first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,20 +41,46 @@ from dualwrite.database import (
     advisory_keys,
     database_error,
     lock_folder,
+    mask_url,
     try_file_lock,
     unreachable_error,
 )
 from dualwrite.errors import FatalError
 
-__all__ = ["HeldLeases", "Lease", "Leases"]
+__all__ = ["HeldLeases", "Lease", "Leases", "pooler_error"]
+
+# Engines whose connections were found to keep their server session (see check_sessions).
+_SESSION_CHECKED: weakref.WeakSet[Engine] = weakref.WeakSet()
+# Rounds of that check.
+_PROBES = 3
+
+
+def pooler_error(engine: Engine, moved: str) -> FatalError:
+    """The refusal of a pooler that moves a client between server sessions; ``moved`` says
+    what showed it."""
+    return FatalError(
+        f"the database {mask_url(engine.url)} is reached through a connection pooler in "
+        f"transaction (or statement) pooling mode, such as PgBouncer with pool_mode = "
+        f"transaction ({moved}): dualwrite's writer leases are session advisory locks and need "
+        "a server session per client connection. Connect dualwrite directly to PostgreSQL, or "
+        "through a pooler in session pooling mode (PgBouncer pool_mode = session); see "
+        "README.md, \"Connection poolers\"")
 
 
 class Lease:
-    """One held lease; :meth:`release` gives it back (idempotent)."""
+    """One held lease; :meth:`release` gives it back (idempotent).
+
+    On PostgreSQL ``backend_pid`` names the server session that holds it: a holder checks that
+    its connection still runs that very session (:meth:`held_by_session`) before relying on it.
+    """
 
     def __init__(self, transactional_id: str, *, conn: Connection | None = None,
-                 fd: int | None = None) -> None:
+                 fd: int | None = None, backend_pid: int | None = None) -> None:
         self.transactional_id = transactional_id
+        self.backend_pid = backend_pid
+        """PostgreSQL: the server process (``pg_backend_pid()``) whose session holds the lock;
+        a later transaction of the holding connection that runs on another one was moved by a
+        transaction pooler (:func:`pooler_error`)."""
         self._conn = conn
         self._fd = fd
 
@@ -51,6 +88,13 @@ class Lease:
     def ends_with_connection(self) -> bool:
         """The lease is the connection's (PostgreSQL): losing the connection loses the lease."""
         return self._conn is not None
+
+    def held_by_session(self, backend_pid: int) -> bool:
+        """Whether the session answering as ``backend_pid`` (``pg_backend_pid()`` asked on the
+        holding connection) is the one that took the lease. A server restart, a terminated
+        backend or a pooler handing out another server connection each show as another pid
+        (or as a failed question): the lease may then have been someone else's meanwhile."""
+        return self._conn is not None and self.backend_pid == backend_pid
 
     def release(self) -> None:
         """Give the lease back. On PostgreSQL that closes the holding connection: the session
@@ -71,18 +115,78 @@ class HeldLeases:
 
     ids: frozenset[str]
     connection: Connection | None
+    backend_pid: int | None = None
+    """PostgreSQL: the server process whose session holds them (see :attr:`Lease.backend_pid`)."""
 
 
 class Leases:
     """Takes writer leases on one database (see the module docstring)."""
 
     def __init__(self, engine: Engine) -> None:
+        self._engine = engine
         self._dialect = engine.dialect.name
         self._dir = lock_folder(engine, ".dualwrite-leases")
 
     @property
     def supported(self) -> bool:
         return self._dialect == "postgresql" or self._dir is not None
+
+    def check_sessions(self) -> None:
+        """Refuse (:class:`FatalError`) a pooler that does not keep a client on one server
+        session; PostgreSQL only, once per engine (two connections, a few short queries).
+
+        A client connection ``a`` asks for its server's pid and ends its transaction; a second
+        client ``b`` opens a transaction and asks too, then ``a`` asks again while ``b`` still
+        holds its transaction. Directly or under session pooling ``a`` keeps its server session
+        (its pid does not change and ``b`` has another). A transaction pooler gives ``a``'s
+        idle session to ``b`` (PgBouncer reuses the last released one) or gives ``a`` another;
+        :data:`_PROBES` rounds, so that other clients of a busy pooler taking ``a``'s released
+        session in between cannot hide it.
+        """
+        engine = self._engine
+        if self._dialect != "postgresql" or engine in _SESSION_CHECKED:
+            return
+        pid = "SELECT pg_backend_pid()"
+        moved: str | None = None
+        try:
+            with engine.connect() as a, engine.connect() as b:
+                if a.connection.dbapi_connection is b.connection.dbapi_connection:
+                    return  # a pool of one shared connection (StaticPool): nothing to compare
+                first = a.exec_driver_sql(pid).scalar_one()
+                a.commit()
+                for _ in range(_PROBES):
+                    other = b.exec_driver_sql(pid).scalar_one()  # b's transaction stays open
+                    if other == first:
+                        moved = ("another client connection was served by the same server "
+                                 f"session (backend {first})")
+                        break
+                    again = a.exec_driver_sql(pid).scalar_one()
+                    a.commit()
+                    b.rollback()
+                    if again != first:
+                        moved = (f"one client connection was served by backend {first}, then "
+                                 f"by {again}")
+                        break
+                a.rollback()
+                b.rollback()
+        except sa.exc.SQLAlchemyError as exc:
+            raise database_error(exc, engine.url) from exc
+        if moved is not None:
+            raise pooler_error(engine, moved)
+        _SESSION_CHECKED.add(engine)
+
+    def verify_session(self, conn: Connection, backend_pid: int | None) -> None:
+        """Raise :func:`pooler_error` unless ``conn``'s current transaction runs on the server
+        process ``backend_pid`` (the lease holder's; None: nothing to check)."""
+        if backend_pid is None:
+            return
+        try:
+            now = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+        except sa.exc.SQLAlchemyError as exc:
+            raise database_error(exc, self._engine.url) from exc
+        if now != backend_pid:
+            raise pooler_error(self._engine, f"the connection holding the leases on backend "
+                                             f"{backend_pid} ran a later transaction on {now}")
 
     def try_acquire(self, conn: Connection, transactional_id: str) -> Lease | None:
         """Take ``transactional_id``'s lease without waiting; None if someone else holds it.
@@ -98,10 +202,13 @@ class Leases:
         if not ids or not self.supported:
             return {}
         if self._dialect == "postgresql":
+            self.check_sessions()
             keys = {tid: advisory_keys(b"dualwrite-lease", tid) for tid in ids}
+            self._refuse_inherited(conn, list(keys.values()))
             columns = ", ".join(f"pg_try_advisory_lock({k1}, {k2})" for k1, k2 in keys.values())
-            got = conn.exec_driver_sql(f"SELECT {columns}").one()
-            return {tid: Lease(tid, conn=conn) for tid, ok in zip(ids, got, strict=True) if ok}
+            *got, pid = conn.exec_driver_sql(f"SELECT {columns}, pg_backend_pid()").one()
+            return {tid: Lease(tid, conn=conn, backend_pid=int(pid))
+                    for tid, ok in zip(ids, got, strict=True) if ok}
         return self._try_files(ids)
 
     @contextmanager
@@ -116,6 +223,7 @@ class Leases:
         if not self.supported or not ids:
             yield HeldLeases(frozenset(ids), None)
             return
+        self.check_sessions()
         if self._dialect != "postgresql":
             taken = self._try_files(ids)
             try:
@@ -130,19 +238,36 @@ class Leases:
             raise unreachable_error(engine.url, exc) from exc
         with conn:
             try:
-                held = frozenset(self.try_acquire_many(conn, ids))
+                taken = self.try_acquire_many(conn, ids)
                 conn.commit()  # session-level locks outlive the transaction
             except sa.exc.DBAPIError as exc:
                 conn.invalidate()
                 raise database_error(exc, engine.url) from exc
             try:
-                yield HeldLeases(held, conn)
+                pids = {lease.backend_pid for lease in taken.values()}
+                yield HeldLeases(frozenset(taken), conn, pids.pop() if pids else None)
             finally:
                 try:
                     conn.exec_driver_sql("SELECT pg_advisory_unlock_all()")
                     conn.commit()
                 except sa.exc.SQLAlchemyError:
                     conn.invalidate()  # closing the session releases them
+
+    def _refuse_inherited(self, conn: Connection, keys: list[tuple[int, int]]) -> None:
+        """Raise :func:`pooler_error` if ``conn``'s server session already holds one of these
+        leases: the caller has taken none on this connection, so it inherited another client's
+        session (a transaction pooler, or session pooling without ``DISCARD ALL`` between
+        clients), where ``pg_try_advisory_lock`` would "take" a lease its holder still uses."""
+        pairs = ", ".join(f"({k1 & 0xFFFFFFFF}, {k2 & 0xFFFFFFFF})" for k1, k2 in keys)
+        found = conn.exec_driver_sql(
+            "SELECT count(*), pg_backend_pid() FROM pg_locks WHERE locktype = 'advisory' "
+            "AND pid = pg_backend_pid() AND objsubid = 2 "
+            f"AND (classid::bigint, objid::bigint) IN ({pairs})").one()
+        if found[0]:
+            raise pooler_error(
+                self._engine, f"a client connection that took no writer lease found {found[0]} "
+                f"held by its server session (backend {found[1]}), left by another client; "
+                "under session pooling, keep PgBouncer's server_reset_query = DISCARD ALL")
 
     def _try_files(self, ids: list[str]) -> dict[str, Lease]:
         assert self._dir is not None

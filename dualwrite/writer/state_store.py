@@ -39,11 +39,24 @@ from dualwrite.database import database_error, transaction, uses_begin_immediate
 from dualwrite.database.schema import MAX_LENGTH, STATE_TABLE, TRANSACTION_STATE, state_table
 from dualwrite.errors import FatalError, TransactionStateError
 
-__all__ = ["MAX_LENGTH", "StateRow", "StateStore", "writer_connection"]
+__all__ = ["MAX_LENGTH", "SERVER_IDENTITY", "StateRow", "StateStore", "writer_connection"]
 
 logger = logging.getLogger(__name__)
 
 _SUPPORTED_DIALECTS = ("postgresql", "sqlite")
+
+_IN_RECOVERY = "in recovery"
+#: PostgreSQL: which server process, and which history of the data, runs this statement: the
+#: postmaster's start time (another server, a promoted standby, a restart after a crash, which
+#: replays WAL and may hand out again transaction ids whose WAL was lost) and the WAL timeline (a
+#: promotion starts a new one). A transaction id means the same transaction only while this
+#: stays the same. A standby in recovery has none (it runs no writes). (The system identifier
+#: would add nothing: a standby shares it, another server has another start time; and reading
+#: it costs a read of pg_control on every lock.)
+SERVER_IDENTITY = (
+    f"CASE WHEN pg_is_in_recovery() THEN '{_IN_RECOVERY}' ELSE "
+    "substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) || '/' || "
+    "pg_postmaster_start_time()::text END")
 
 
 @dataclass(frozen=True)
@@ -61,7 +74,15 @@ class StateRow:
     locked_by_xid: int | None = None
     """PostgreSQL: the id (``txid_current()``) of the transaction that locked the row, when the
     row comes from :meth:`StateStore.lock_row`; it names that one database transaction, so its
-    outcome can be asked after a failed COMMIT (:meth:`StateStore.transaction_status`)."""
+    outcome can be asked after a failed COMMIT (:meth:`StateStore.commit_status`)."""
+    locked_by_pid: int | None = None
+    """PostgreSQL, with ``locked_by_xid``: the server process (``pg_backend_pid()``) that ran
+    the locking transaction; the writer compares it with its lease's."""
+    locked_on: str | None = None
+    """PostgreSQL, with ``locked_by_xid``: the server that ran the locking transaction (its
+    :data:`SERVER_IDENTITY`). A transaction id names one transaction on that server only: a
+    promoted standby that never received the transaction's WAL, or a server restarted after a
+    crash, may give the same id to another transaction."""
 
 
 def _check(name: str, value: str, *, allow_empty: bool) -> None:
@@ -87,9 +108,12 @@ def _utc(value: datetime) -> datetime:
 
 def _state_row(row: Any) -> StateRow:
     """A row selected or returned in the order of ``StateStore._columns`` (then, when locked on
-    PostgreSQL, the locking transaction's id)."""
+    PostgreSQL, the locking transaction's id, its server process and its server's
+    :data:`SERVER_IDENTITY`)."""
     xid = int(row[4]) if len(row) > 4 and row[4] is not None else None
-    return StateRow(str(row[0]), str(row[1]), _utc(row[2]), int(row[3]), xid)
+    pid = int(row[5]) if len(row) > 5 and row[5] is not None else None
+    server = str(row[6]) if len(row) > 6 and row[6] is not None else None
+    return StateRow(str(row[0]), str(row[1]), _utc(row[2]), int(row[3]), xid, pid, server)
 
 
 def _require_transaction(conn: Connection, method: str) -> None:
@@ -183,7 +207,7 @@ class StateStore:
             "VALUES (%s, '', %s) ON CONFLICT (transactional_id) "
             "DO UPDATE SET transactional_id = EXCLUDED.transactional_id "
             "RETURNING transactional_id, prepared_txn_state, updated_at, fencing_generation, "
-            "txid_current()")
+            f"txid_current(), pg_backend_pid(), {SERVER_IDENTITY}")
         self._pg_write_sql = (f"UPDATE {quoted} SET prepared_txn_state = %s, updated_at = %s "
                               "WHERE transactional_id = %s")
 
@@ -224,7 +248,9 @@ class StateStore:
                                   updated_at=datetime.now(UTC))
                           .on_conflict_do_update(index_elements=[t.c.transactional_id],
                                                  set_={"transactional_id": tid})
-                          .returning(*self._columns, sa.func.txid_current()))
+                          .returning(*self._columns, sa.func.txid_current(),
+                                     sa.func.pg_backend_pid(),
+                                     sa.literal_column(SERVER_IDENTITY)))
                 found = conn.execute(upsert).one()
             else:
                 conn.execute(self._insert_missing(conn, tid))
@@ -286,7 +312,7 @@ class StateStore:
 
         On psycopg the UPDATE and the COMMIT travel in one round trip (pipeline mode), so
         SQLAlchemy's ``commit`` event fires only after the database committed. Any error leaves
-        the outcome to be asked (the COMMIT may have been applied).
+        the outcome to be asked (the COMMIT may have been applied): :meth:`commit_status`.
         """
         raw = _psycopg_connection(conn)
         if raw is None:
@@ -335,6 +361,27 @@ class StateStore:
             row = cursor.fetchone()
         assert row is not None  # the upsert always returns its row
         return row
+
+    def generation_on(self, conn: Connection, transactional_id: str) -> tuple[int | None, int]:
+        """PostgreSQL, on ``conn`` outside a transaction: the id's fencing generation (None
+        without a row, not waiting for its lock) and the server process running ``conn``'s
+        session (``pg_backend_pid()``), in one round trip.
+
+        A writer holding its id's lease on ``conn`` asks this after each Kafka commit: the same
+        session and generation mean nobody can have taken the lease or claimed the id since.
+        """
+        _check("transactional_id", transactional_id, allow_empty=False)
+        t = self.table
+        generation = (sa.select(t.c.fencing_generation)
+                      .where(t.c.transactional_id == transactional_id).scalar_subquery())
+        try:
+            try:
+                found = conn.execute(sa.select(sa.func.pg_backend_pid(), generation)).one()
+            finally:
+                conn.rollback()  # ends SQLAlchemy's implicit transaction (none on a writer's)
+        except sa.exc.SQLAlchemyError as exc:
+            self._reraise(conn, exc)
+        return (None if found[1] is None else int(found[1])), int(found[0])
 
     # -- own short transactions ----------------------------------------------------------------
 
@@ -419,6 +466,53 @@ class StateStore:
             # from its WAL: an id it never logged, as it would have logged the commit, is "in
             # the future". That transaction did not commit.
             return "aborted"
+        return status
+
+    def commit_status(self, locked: StateRow, state: str) -> str | None:
+        """The outcome of the transaction that locked ``locked`` (:meth:`lock_row`) and wrote
+        ``state`` (:meth:`write_and_commit`), after its COMMIT got no answer: ``"committed"``,
+        ``"aborted"``, ``"in progress"``, or None when it cannot be known.
+
+        Asked by transaction id (:meth:`transaction_status`) of the server that locked the row.
+        Another server (:attr:`StateRow.locked_on` differs: a failover to a standby, a crash
+        restart) may have given that id to another transaction, so its verdict is not taken:
+        the state row decides instead. Its row version was written by this transaction (its
+        ``xmin`` is this transaction's id) and holds ``state`` only if this transaction
+        committed there; anything else is None (it may not have committed, or committed and
+        was overwritten since), except an id a primary has not reached yet, which no
+        transaction of its history has had.
+        """
+        xid = locked.locked_by_xid
+        if xid is None:
+            raise ValueError("commit_status needs a row locked on PostgreSQL (lock_row)")
+        t = self.table
+        try:
+            with transaction(self.engine, read_only=True) as conn:
+                server = conn.exec_driver_sql(f"SELECT {SERVER_IDENTITY}").scalar_one()
+                trusted = locked.locked_on is None or server == locked.locked_on
+                if not trusted:
+                    found = conn.execute(
+                        sa.select(t.c.prepared_txn_state, sa.literal_column("xmin::text"))
+                        .where(t.c.transactional_id == locked.transactional_id)).one_or_none()
+                    # xmin is the 32-bit transaction id; txid_current() adds an epoch above it.
+                    if (found is not None and found[0] == state
+                            and int(found[1]) == xid % 2**32):
+                        return "committed"
+                    if server == _IN_RECOVERY:
+                        # A standby may lag: that it lacks the transaction says nothing.
+                        return None
+                status: str | None = conn.execute(
+                    sa.text("SELECT txid_status(:xid)"), {"xid": xid}).scalar_one()
+        except sa.exc.SQLAlchemyError as exc:
+            if not _in_the_future(exc):
+                raise database_error(exc, self.engine.url, table=self.table.name) from exc
+            return "aborted"  # see transaction_status
+        if not trusted:
+            logger.warning("transaction %d of transactional id %r ran on server %s, now %s "
+                           "answers: its outcome there is not this transaction's, and the state "
+                           "row does not show it", xid, locked.transactional_id,
+                           locked.locked_on, server)
+            return None
         return status
 
     def compare_and_set(self, transactional_id: str, expected: str, new: str) -> bool:
