@@ -58,6 +58,10 @@ HeuristicHook = Callable[[HeuristicAbortError, Connection], None]
 # How often a writer claims its id again when another process claimed it in between.
 _CLAIM_ATTEMPTS = 5
 
+# How long a starting writer waits for its id's lease (recovery holds it while it resolves the
+# id) before it concludes that a live writer holds it (bounded by ``timeout_s`` too).
+_LEASE_WAIT_S = 5.0
+
 _Record = tuple[str, bytes | str | None, bytes | str | None, int | None, Headers | None]
 
 LateLock = Callable[[TwoPhaseProducer, Sequence[_Record]],
@@ -252,7 +256,7 @@ class DualWriter:
                  on_heuristic_abort: HeuristicHook | None = None,
                  timeout_s: float = 30.0, state_store: StateStore | None = None,
                  verify: Literal["auto", "always"] = "auto",
-                 hooks: PhaseHooks | None = None) -> None:
+                 hooks: PhaseHooks | None = None, take_over: bool = False) -> None:
         if verify not in ("auto", "always"):
             raise ConfigurationError(f"verify must be 'auto' or 'always', not {verify!r}")
         self._verify_mode = verify
@@ -294,6 +298,9 @@ class DualWriter:
         self._lease_check: Future[str] | None = None
         """The check of the lease begun after the last Kafka commit (:meth:`_check_lease`)."""
         self._helper = ThreadPoolExecutor(1, thread_name_prefix=f"dualwrite-{self._tid}")
+        self._take_over = take_over
+        self._started = False
+        """Whether this writer's first session started (the lease check is done)."""
 
     @property
     def transactional_id(self) -> str:
@@ -302,6 +309,8 @@ class DualWriter:
     @property
     def producer(self) -> TwoPhaseProducer:
         if self._producer is None:
+            if not self._started:
+                self._check_lease_at_start()
             # Claim the id (its state row, committed) before the session can act on Kafka: it
             # creates the row, so that recovery, which visits state rows, finds a crash in the
             # very first transaction too. A pooler that would make the lease meaningless is
@@ -311,7 +320,44 @@ class DualWriter:
             producer = TwoPhaseProducer(self._config, timeout_s=self._timeout_s)
             producer.init_transactions(keep_prepared_txn=True)
             self._producer = producer
+            self._started = True
         return self._producer
+
+    def _check_lease_at_start(self) -> None:
+        """Before the first session fences anyone: take the id's lease, or refuse to start if
+        a live process holds it (unless ``take_over``); see "Leases" in docs/design.md.
+
+        Recovery holds a lease only while it resolves the id, so the writer waits a little
+        for it first; a live writer holds it for its whole session.
+        """
+        if self._lease is not None or not self._leases.supported:
+            return
+        deadline = time.monotonic() + min(self._timeout_s, _LEASE_WAIT_S)
+        while True:
+            if self._conn is None:
+                conn = writer_connection(self._engine, GuardedConnection)
+                assert isinstance(conn, GuardedConnection)
+                self._conn = conn
+            conn = self._conn
+            conn.reclaim()
+            try:
+                held = self._take_lease(conn)
+            finally:
+                self._rollback(conn)  # PostgreSQL's session-level lock outlives it
+            if held or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        if held:
+            return
+        if not self._take_over:
+            raise FatalError(
+                f"transactional_id={self._tid} is in use: another live process (a writer of "
+                "this id, or recovery resolving it) holds its lease. Two writers must not share "
+                "a transactional id: stop the other writer, or pass DualWriter(..., "
+                "take_over=True) to fence it")
+        log.warning("transactional_id=%s: another live process holds its lease; taking over "
+                    "(take_over=True): that writer is fenced, and this one locks its state row "
+                    "first until the lease is free", self._tid)
 
     def close(self) -> None:
         """Stop; after a clean run the state row is cleared so the next start needs no check."""
