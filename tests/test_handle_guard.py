@@ -39,10 +39,10 @@ INSERT = sa.text("INSERT INTO app_rows (value) VALUES (:v)")
 
 def assert_clean(writer: DualWriter, engine: sa.Engine, bootstrap: str, topic: str,
                  expected: list[bytes]) -> None:
-    """Rows == read_committed records == ``expected``, nothing open, and the next transaction
-    of the same writer commits."""
+    """Rows == ``expected``, nothing open (the state row can be locked at once), and the next
+    transaction of the same writer commits: then rows == read_committed records (which also
+    needs every partition's end reachable, i.e. no Kafka transaction left open)."""
     assert rows(engine) == expected
-    assert read_committed(bootstrap, topic, timeout_s=10) == expected  # no partition held open
     with engine.connect() as conn, conn.begin():  # nobody holds the state row's lock
         StateStore(engine).lock_row(conn, writer.transactional_id, timeout_s=2)
     write(writer, topic, ["next"])
@@ -119,7 +119,6 @@ def test_rollback_then_going_on_commits_neither_side(
             tx.connection.rollback()
         with contextlib.suppress(TransactionStateError):
             tx.connection.execute(INSERT, {"v": "other"})
-    assert read_committed(bootstrap, topic, timeout_s=10) == rows(engine)
     assert_clean(writer, engine, bootstrap, topic, [])
 
 
@@ -213,7 +212,7 @@ def test_savepoints_keep_working(writers: Any, engine: sa.Engine, bootstrap: str
 
 def _writer(engine: sa.Engine, bootstrap: str, tid: str, **kw: Any) -> DualWriter:
     return DualWriter(engine, {"bootstrap.servers": bootstrap, "transaction.timeout.ms": 60_000},
-                      transactional_id=tid, timeout_s=3, **kw)
+                      transactional_id=tid, timeout_s=2, **kw)
 
 
 def test_a_second_writer_of_a_live_id_refuses_unless_taking_over(

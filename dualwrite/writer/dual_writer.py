@@ -249,6 +249,9 @@ class DualWriter:
 
     ``hooks``: a :class:`PhaseHooks` called at the named points of the protocol (fault injection
     in the crash tests, observability); none by default.
+
+    ``take_over``: start even if a live process holds this id's lease (another writer, which is
+    then fenced); without it such a start raises :class:`FatalError` (docs/design.md, "Leases").
     """
 
     def __init__(self, engine: Engine | str, kafka_config: Mapping[str, Any], *,
@@ -332,7 +335,8 @@ class DualWriter:
         """
         if self._lease is not None or not self._leases.supported:
             return
-        deadline = time.monotonic() + min(self._timeout_s, _LEASE_WAIT_S)
+        wait_s = 0.0 if self._take_over else min(self._timeout_s, _LEASE_WAIT_S)
+        deadline = time.monotonic() + wait_s
         while True:
             if self._conn is None:
                 conn = writer_connection(self._engine, GuardedConnection)

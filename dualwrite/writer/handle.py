@@ -55,10 +55,10 @@ class GuardedConnection(Connection):
         super().__init__(engine)
         self._mode = _Mode.OWNED
         self._misuse: TransactionStateError | None = None
-        event.listen(self, "commit", _on_end)
-        event.listen(self, "rollback", _on_end)
-        event.listen(self, "before_execute", _on_statement)
-        event.listen(self, "before_cursor_execute", _on_execute)
+        event.listen(self, "commit", self._on_end)
+        event.listen(self, "rollback", self._on_end)
+        event.listen(self, "before_execute", self._on_statement)
+        event.listen(self, "before_cursor_execute", self._on_execute)
 
     # -- the writer's side ---------------------------------------------------------------------
 
@@ -152,23 +152,18 @@ class GuardedConnection(Connection):
         self._guard("detach()", ends=True)
         super().detach()
 
+    # -- the event listeners (the paths that bypass the methods above) ---------------------------
 
-def _on_end(conn: Connection) -> None:
-    """A Transaction object (or a Session) ending the lent connection's transaction."""
-    assert isinstance(conn, GuardedConnection)
-    conn._guard("get_transaction() commit or rollback", ends=True)
+    def _on_end(self, conn: Connection) -> None:
+        """A Transaction object (or a Session) ending the lent connection's transaction."""
+        self._guard("get_transaction() commit or rollback", ends=True)
 
+    def _on_statement(self, conn: Connection, *_: Any) -> None:
+        """``execute()``, before SQLAlchemy's own checks: refused once misused or returned."""
+        self._guard("execute()", ends=False)
 
-def _on_statement(conn: Connection, *_: Any) -> None:
-    """``execute()`` on the lent connection, before SQLAlchemy's own checks: refused once
-    misused or returned."""
-    assert isinstance(conn, GuardedConnection)
-    conn._guard("execute()", ends=False)
-
-
-def _on_execute(conn: Connection, cursor: Any, statement: str, *_: Any) -> None:
-    """A statement on the lent connection, before the driver sees it: refused once misused or
-    returned, and refused if it is a raw transaction-control statement."""
-    assert isinstance(conn, GuardedConnection)
-    ends = _TRANSACTION_CONTROL.match(statement) is not None
-    conn._guard(f"execute({statement.strip()[:30]!r})" if ends else "execute()", ends=ends)
+    def _on_execute(self, conn: Connection, cursor: Any, statement: str, *_: Any) -> None:
+        """A statement, before the driver sees it: refused once misused or returned, and
+        refused if it is a raw transaction-control statement."""
+        ends = _TRANSACTION_CONTROL.match(statement) is not None
+        self._guard(f"execute({statement.strip()[:30]!r})" if ends else "execute()", ends=ends)
