@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 import dualwrite
 from dualwrite import DualWriter, FatalError, TransactionStateError
-from dualwrite.writer import StateStore
+from dualwrite.writer import PhaseHooks, StateStore
 from tests import test_recipe
 from tests._kafka_helpers import read_committed, unique
 from tests.test_recipe import rows, write
@@ -205,6 +205,28 @@ def test_savepoints_keep_working(writers: Any, engine: sa.Engine, bootstrap: str
             session.commit()  # releases the session's savepoint only
         tx.produce(topic, b"by-session", key=b"by-session")
     assert_clean(writer, engine, bootstrap, topic, [b"by-session", b"kept", b"released"])
+
+
+class _FailOnceAtBegin(PhaseHooks):
+    def __init__(self) -> None:
+        self.armed = False
+
+    def kafka_begun(self) -> None:
+        if self.armed:
+            self.armed = False
+            raise ZeroDivisionError("hook")
+
+
+def test_a_hook_failing_before_the_block_is_not_taken_for_a_misuse(
+        writers: Any, engine: sa.Engine, bootstrap: str, topic: str) -> None:
+    """The connection is already lent when ``kafka_begun`` runs: the writer takes it back
+    before rolling back, so the hook's own error reaches the caller."""
+    hooks = _FailOnceAtBegin()
+    hooks.armed = True  # the first transaction locks first: its connection is lent at once
+    writer = writers(engine, unique("guard-hook"), hooks=hooks)
+    with pytest.raises(ZeroDivisionError), writer.transaction():
+        pytest.fail("the block must not run")
+    assert_clean(writer, engine, bootstrap, topic, [])
 
 
 # -- a second writer of the same id (issue 23 §5) -------------------------------------------------

@@ -566,6 +566,7 @@ class DualWriter:
                 self._store.write(conn, self._tid, str(state))
                 verified.result()
         except BaseException as exc:
+            tx.end()  # (a hook may fail before the block ran)
             held, producer = tx.bound()
             if tx.misuse is not None:
                 self._discard_connection()
