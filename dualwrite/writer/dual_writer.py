@@ -843,12 +843,22 @@ class DualWriter:
         """Let go of the writer's connection; what it held is rolled back, freeing the row lock
         (and, on PostgreSQL, the lease: the next transaction locks first again)."""
         conn, self._conn = self._conn, None
+        raw: Any = None
         if conn is not None:
             conn.reclaim()
+            if not conn.closed and not conn.invalidated:
+                raw = conn.connection.dbapi_connection
         if self._lease is not None and self._lease.ends_with_connection:
             self._lease.release()
             self._lease = None
             self._lease_check = None
+            if raw is not None:
+                # The release invalidated the connection: a pooled one is closed by that, a
+                # detached one (psycopg's writer connection) only forgotten; close it here so
+                # that its session, and the lease with it, ends now and not when it is
+                # garbage-collected (a writer made next for the id would find the lease held).
+                with contextlib.suppress(Exception):
+                    raw.close()
         if conn is not None:
             try:
                 conn.close()
