@@ -139,7 +139,10 @@ class GuardedConnection(Connection):
         super().close()
 
     def invalidate(self, exception: BaseException | None = None) -> None:
-        self._guard("invalidate()", ends=True)
+        # SQLAlchemy itself invalidates a connection whose driver reported a disconnect: the
+        # transaction is lost already, and the writer reports that (DatabaseUnreachableError).
+        if not isinstance(exception, self.dialect.loaded_dbapi.Error):
+            self._guard("invalidate()", ends=True)
         super().invalidate(exception)
 
     def exec_driver_sql(self, statement: str, parameters: Any | None = None,
