@@ -487,7 +487,8 @@ class DualWriter:
         if conn is None or lease is None:
             return "lost"
         try:
-            stored, backend_pid = self._store.generation_on(conn, self._tid)
+            with conn.own_use():
+                stored, backend_pid = self._store.generation_on(conn, self._tid)
         except DualWriteError as exc:
             log.info("transactional_id=%s: checking the lease's session failed (%s)", self._tid,
                      exc)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Connection, Engine, event
@@ -55,6 +57,8 @@ class GuardedConnection(Connection):
         super().__init__(engine)
         self._mode = _Mode.OWNED
         self._misuse: TransactionStateError | None = None
+        self._own_uses = 0
+        """The writer's own statements in progress (:meth:`own_use`), whatever the mode."""
         event.listen(self, "commit", self._on_end)
         event.listen(self, "rollback", self._on_end)
         event.listen(self, "before_execute", self._on_statement)
@@ -88,6 +92,16 @@ class GuardedConnection(Connection):
         """The writer uses the connection again (its next transaction, or closing it)."""
         self._mode = _Mode.OWNED
 
+    @contextmanager
+    def own_use(self) -> Iterator[None]:
+        """The writer's own statements between transactions (its lease check, which runs on
+        its helper thread while the block's thread may retire the connection)."""
+        self._own_uses += 1
+        try:
+            yield
+        finally:
+            self._own_uses -= 1
+
     # -- the guard -------------------------------------------------------------------------------
 
     def _refuse(self, what: str) -> TransactionStateError:
@@ -109,7 +123,7 @@ class GuardedConnection(Connection):
     def _guard(self, what: str, *, ends: bool) -> None:
         """Refuse ``what`` if the block may not do it now; ``ends``: it ends or replaces the
         transaction."""
-        if self._mode is _Mode.OWNED:
+        if self._mode is _Mode.OWNED or self._own_uses:
             return
         if self._mode is _Mode.RETURNED or self._misuse is not None or ends:
             raise self._refuse(what)
