@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -57,8 +58,8 @@ class GuardedConnection(Connection):
         super().__init__(engine)
         self._mode = _Mode.OWNED
         self._misuse: TransactionStateError | None = None
-        self._own_uses = 0
-        """The writer's own statements in progress (:meth:`own_use`), whatever the mode."""
+        self._own_threads: set[int] = set()
+        """Threads running the writer's own statements (:meth:`own_use`), whatever the mode."""
         event.listen(self, "commit", self._on_end)
         event.listen(self, "rollback", self._on_end)
         event.listen(self, "before_execute", self._on_statement)
@@ -96,11 +97,12 @@ class GuardedConnection(Connection):
     def own_use(self) -> Iterator[None]:
         """The writer's own statements between transactions (its lease check, which runs on
         its helper thread while the block's thread may retire the connection)."""
-        self._own_uses += 1
+        me = threading.get_ident()
+        self._own_threads.add(me)
         try:
             yield
         finally:
-            self._own_uses -= 1
+            self._own_threads.discard(me)
 
     # -- the guard -------------------------------------------------------------------------------
 
@@ -123,7 +125,7 @@ class GuardedConnection(Connection):
     def _guard(self, what: str, *, ends: bool) -> None:
         """Refuse ``what`` if the block may not do it now; ``ends``: it ends or replaces the
         transaction."""
-        if self._mode is _Mode.OWNED or self._own_uses:
+        if self._mode is _Mode.OWNED or threading.get_ident() in self._own_threads:
             return
         if self._mode is _Mode.RETURNED or self._misuse is not None or ends:
             raise self._refuse(what)
