@@ -237,8 +237,8 @@ def test_session_terminated_while_idle_and_its_replacement_too(
     real_connect = recipe.writer_connection  # type: ignore[attr-defined]
     replaced: list[int] = []
 
-    def connect_then_kill(engine_: sa.Engine) -> sa.Connection:
-        conn = real_connect(engine_)
+    def connect_then_kill(engine_: sa.Engine, *args: Any) -> sa.Connection:
+        conn = real_connect(engine_, *args)
         replaced.append(_backend_pid(conn))
         _kill_backend(db_url, replaced[-1])
         return conn

@@ -208,7 +208,7 @@ def run_two_writers(writers: Any, db_url: str, topic: str, tid: str, per_writer:
 
     def run(name: str) -> None:
         own_engine = dualwrite.create_engine(db_url)
-        writer = writers(own_engine, tid)
+        writer = writers(own_engine, tid, take_over=True)  # two live writers, on purpose
         start.wait()
         try:
             for i in range(per_writer):

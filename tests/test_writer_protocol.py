@@ -206,7 +206,7 @@ def test_a_second_writer_leaves_the_live_writers_transaction_to_it(
     thread, first_errors = in_thread(first_writes)
     assert window.at_gate.wait(20)
     second_engine = dualwrite.create_engine(db_url)
-    second = writers(second_engine, tid)
+    second = writers(second_engine, tid, take_over=True)
     second_thread, second_errors = in_thread(write_produce_first, second, topic, "s1")
     time.sleep(1.5)  # the second writer is waiting for the first one's commit
     window.gate.set()

@@ -15,9 +15,11 @@ session and a lock first ("The lease under session loss").
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -43,6 +45,7 @@ from dualwrite.participant.completion import committed_at_anchor
 from dualwrite.participant.identifiers import TopicPartition
 from dualwrite.participant.prepared_state import PreparedTxnState
 from dualwrite.participant.producer import Headers, TwoPhaseProducer
+from dualwrite.writer.handle import GuardedConnection
 from dualwrite.writer.lease import Lease, Leases, pooler_error
 from dualwrite.writer.state_store import StateRow, StateStore, writer_connection
 
@@ -55,9 +58,14 @@ HeuristicHook = Callable[[HeuristicAbortError, Connection], None]
 # How often a writer claims its id again when another process claimed it in between.
 _CLAIM_ATTEMPTS = 5
 
+# How long a starting writer waits for its id's lease (recovery holds it while it resolves the
+# id) before it concludes that a live writer holds it (bounded by ``timeout_s`` too).
+_LEASE_WAIT_S = 5.0
+
 _Record = tuple[str, bytes | str | None, bytes | str | None, int | None, Headers | None]
 
-LateLock = Callable[[TwoPhaseProducer, Sequence[_Record]], tuple[Connection, TwoPhaseProducer]]
+LateLock = Callable[[TwoPhaseProducer, Sequence[_Record]],
+                    tuple[GuardedConnection, TwoPhaseProducer]]
 """Takes a transaction's deferred state-row lock, given its producer and the records it sent
 before; returns the connection and producer the transaction goes on with (both new if it had to
 start over). Raises, with nothing of the transaction left open under a new producer, if it
@@ -112,25 +120,35 @@ class DualWriteTransaction:
 
     Once a writer's session is established it begins with no connection and a ``late_lock``
     (:data:`LateLock`), taken at the block's first record or first use of :attr:`connection`.
+    The connection is lent to the block (:class:`~dualwrite.writer.handle.GuardedConnection`):
+    ending its transaction there is refused and abandons the transaction; after the block the
+    handle refuses everything.
     """
 
-    def __init__(self, connection: Connection | None, producer: TwoPhaseProducer,
+    def __init__(self, connection: GuardedConnection | None, producer: TwoPhaseProducer,
                  late_lock: LateLock | None = None) -> None:
         self._connection = connection
         self._producer = producer
         self._late_lock = late_lock
         self._records: list[_Record] = []
         """Every record of the transaction, sent again should it start over in a new session."""
+        self._ended = False
+        self._misuse: TransactionStateError | None = None
         self.state: PreparedTxnState | None = None
         """The prepared state, set once the block has prepared (for logging and tests)."""
+        if connection is not None:
+            connection.lend()
 
     @property
     def connection(self) -> Connection:
         """The SQLAlchemy connection of the database transaction; write your rows with it.
 
         The first use may take the state-row lock (unless a record was produced first, which
-        takes it instead, while the record travels).
+        takes it instead, while the record travels). It refuses ``commit()``, ``rollback()``,
+        ``begin()``, ``close()`` and the like (:class:`TransactionStateError`): the writer
+        ends the transaction; savepoints (``begin_nested()``) are fine.
         """
+        self._refuse_if_ended("connection")
         self._take_late_lock()
         assert self._connection is not None
         return self._connection
@@ -139,6 +157,11 @@ class DualWriteTransaction:
                 key: bytes | str | None = None, *, partition: int | None = None,
                 headers: Headers | None = None) -> None:
         """Send a record in this transaction; it becomes visible iff the rows commit."""
+        self._refuse_if_ended("produce()")
+        if self._connection is not None and self._connection.misused is not None:
+            raise TransactionStateError(
+                "tx.produce() refused: this transaction's connection was misused; the "
+                "transaction is abandoned: leave the block (nothing of it commits)")
         self._producer.produce(topic, value, key, partition=partition, headers=headers)
         self._records.append((topic, value, key, partition, headers))
         if self._late_lock is not None:
@@ -149,15 +172,42 @@ class DualWriteTransaction:
         """The records produced so far, in order."""
         return tuple(self._records)
 
-    def bound(self) -> tuple[Connection | None, TwoPhaseProducer]:
+    def bound(self) -> tuple[GuardedConnection | None, TwoPhaseProducer]:
         """The connection (None until the deferred lock is taken) and the producer the
         transaction uses now, without taking the lock: what the DualWriter ends it with."""
         return self._connection, self._producer
+
+    def end(self) -> None:
+        """The block is over: the handle refuses from now on, and the writer takes its
+        connection back (see :attr:`misuse`)."""
+        if not self._ended:
+            self._ended = True
+            if self._connection is not None:
+                self._misuse = self._connection.take_back()
+
+    @property
+    def misuse(self) -> TransactionStateError | None:
+        """What the block was refused, if it misused the connection (after :meth:`end`)."""
+        return self._misuse
+
+    def lock(self) -> GuardedConnection:
+        """The connection, taking the deferred lock if the block did not (for the writer)."""
+        self._take_late_lock()
+        assert self._connection is not None
+        return self._connection
+
+    def _refuse_if_ended(self, what: str) -> None:
+        if self._ended:
+            raise TransactionStateError(
+                f"tx.{what} refused: the dual-write transaction's block has ended; use the "
+                "handle of the next `with writer.transaction() as tx:`")
 
     def _take_late_lock(self) -> None:
         late_lock, self._late_lock = self._late_lock, None
         if late_lock is not None:
             self._connection, self._producer = late_lock(self._producer, self.records())
+            if not self._ended:
+                self._connection.lend()
 
 
 class DualWriter:
@@ -199,6 +249,9 @@ class DualWriter:
 
     ``hooks``: a :class:`PhaseHooks` called at the named points of the protocol (fault injection
     in the crash tests, observability); none by default.
+
+    ``take_over``: start even if a live process holds this id's lease (another writer, which is
+    then fenced); without it such a start raises :class:`FatalError` (docs/design.md, "Leases").
     """
 
     def __init__(self, engine: Engine | str, kafka_config: Mapping[str, Any], *,
@@ -206,7 +259,7 @@ class DualWriter:
                  on_heuristic_abort: HeuristicHook | None = None,
                  timeout_s: float = 30.0, state_store: StateStore | None = None,
                  verify: Literal["auto", "always"] = "auto",
-                 hooks: PhaseHooks | None = None) -> None:
+                 hooks: PhaseHooks | None = None, take_over: bool = False) -> None:
         if verify not in ("auto", "always"):
             raise ConfigurationError(f"verify must be 'auto' or 'always', not {verify!r}")
         self._verify_mode = verify
@@ -229,7 +282,10 @@ class DualWriter:
         self._store = state_store or StateStore(self._engine)
         self._hook = on_heuristic_abort
         self._producer: TwoPhaseProducer | None = None
-        self._conn: Connection | None = None
+        self._conn: GuardedConnection | None = None
+        self._busy = threading.Lock()
+        """Held while a transaction of this writer is open (one at a time, one thread)."""
+        self._busy_thread: threading.Thread | None = None
         self._claimed: int | None = None
         """The fencing generation this writer claimed when its session started."""
         self._generation: int | None = None
@@ -245,6 +301,9 @@ class DualWriter:
         self._lease_check: Future[str] | None = None
         """The check of the lease begun after the last Kafka commit (:meth:`_check_lease`)."""
         self._helper = ThreadPoolExecutor(1, thread_name_prefix=f"dualwrite-{self._tid}")
+        self._take_over = take_over
+        self._started = False
+        """Whether this writer's first session started (the lease check is done)."""
 
     @property
     def transactional_id(self) -> str:
@@ -253,6 +312,8 @@ class DualWriter:
     @property
     def producer(self) -> TwoPhaseProducer:
         if self._producer is None:
+            if not self._started:
+                self._check_lease_at_start()
             # Claim the id (its state row, committed) before the session can act on Kafka: it
             # creates the row, so that recovery, which visits state rows, finds a crash in the
             # very first transaction too. A pooler that would make the lease meaningless is
@@ -262,7 +323,45 @@ class DualWriter:
             producer = TwoPhaseProducer(self._config, timeout_s=self._timeout_s)
             producer.init_transactions(keep_prepared_txn=True)
             self._producer = producer
+            self._started = True
         return self._producer
+
+    def _check_lease_at_start(self) -> None:
+        """Before the first session fences anyone: take the id's lease, or refuse to start if
+        a live process holds it (unless ``take_over``); see "Leases" in docs/design.md.
+
+        Recovery holds a lease only while it resolves the id, so the writer waits a little
+        for it first; a live writer holds it for its whole session.
+        """
+        if self._lease is not None or not self._leases.supported:
+            return
+        wait_s = 0.0 if self._take_over else min(self._timeout_s, _LEASE_WAIT_S)
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self._conn is None:
+                conn = writer_connection(self._engine, GuardedConnection)
+                assert isinstance(conn, GuardedConnection)
+                self._conn = conn
+            conn = self._conn
+            conn.reclaim()
+            try:
+                held = self._take_lease(conn)
+            finally:
+                self._rollback(conn)  # PostgreSQL's session-level lock outlives it
+            if held or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        if held:
+            return
+        if not self._take_over:
+            raise FatalError(
+                f"transactional_id={self._tid} is in use: another live process (a writer of "
+                "this id, or recovery resolving it) holds its lease. Two writers must not share "
+                "a transactional id: stop the other writer, or pass DualWriter(..., "
+                "take_over=True) to fence it")
+        log.warning("transactional_id=%s: another live process holds its lease; taking over "
+                    "(take_over=True): that writer is fenced, and this one locks its state row "
+                    "first until the lease is free", self._tid)
 
     def close(self) -> None:
         """Stop; after a clean run the state row is cleared so the next start needs no check."""
@@ -388,7 +487,8 @@ class DualWriter:
         if conn is None or lease is None:
             return "lost"
         try:
-            stored, backend_pid = self._store.generation_on(conn, self._tid)
+            with conn.own_use():
+                stored, backend_pid = self._store.generation_on(conn, self._tid)
         except DualWriteError as exc:
             log.info("transactional_id=%s: checking the lease's session failed (%s)", self._tid,
                      exc)
@@ -403,8 +503,30 @@ class DualWriter:
 
         Failures of dualwrite's own statements raise :class:`~dualwrite.errors.DualWriteError`
         subclasses; an exception of the application's own statements in the block propagates
-        unchanged (see the class docstring).
+        unchanged (see the class docstring). A block that ends ``tx.connection``'s transaction
+        itself is refused and abandoned (:class:`TransactionStateError`, see
+        :mod:`dualwrite.writer.handle`); so is a second ``transaction()`` while one is open, in
+        this thread (nested) or another, at once rather than after waiting for the lock.
         """
+        if not self._busy.acquire(blocking=False):
+            where = ("nested in the open one" if self._busy_thread is threading.current_thread()
+                     else f"while thread {getattr(self._busy_thread, 'name', '?')} has one open")
+            raise TransactionStateError(
+                f"transactional_id={self._tid}: transaction() called {where}: a transaction of "
+                "this writer is already open. One DualWriter serves one thread at a time, one "
+                "transaction at a time; run one writer (with its own transactional id) per "
+                "thread")
+        self._busy_thread = threading.current_thread()
+        try:
+            yield from self._transaction()
+        finally:
+            if self._conn is not None:
+                self._conn.retire()  # a reference kept from the block refuses from now on
+            self._busy_thread = None
+            self._busy.release()
+
+    def _transaction(self) -> Generator[DualWriteTransaction, None, None]:
+        """:meth:`transaction`'s protocol, once it is known to be the only one open."""
         if self._producer is not None and self._producer.has_open_transaction:
             # The last transaction could not be ended (its abort or commit failed): a new
             # session finishes it from the stored state, as after a restart.
@@ -425,8 +547,15 @@ class DualWriter:
             tx = DualWriteTransaction(conn, producer)
         try:
             self._hooks.kafka_begun()
-            yield tx
-            conn = tx.connection  # takes the deferred lock if the block did not
+            try:
+                yield tx
+            finally:
+                tx.end()
+            if tx.misuse is not None:  # the application caught the refusal and went on
+                raise TransactionStateError(
+                    f"transactional_id={self._tid}: the block misused tx.connection and was "
+                    f"abandoned; nothing of it committed ({tx.misuse})") from tx.misuse
+            conn = tx.lock()  # takes the deferred lock if the block did not
             _, producer = tx.bound()
             state = self._flush(tx, producer)
             tx.state = state
@@ -438,8 +567,11 @@ class DualWriter:
                 self._store.write(conn, self._tid, str(state))
                 verified.result()
         except BaseException as exc:
+            tx.end()  # (a hook may fail before the block ran)
             held, producer = tx.bound()
-            if held is not None:
+            if tx.misuse is not None:
+                self._discard_connection()
+            elif held is not None:
                 self._rollback(held)
             self._abort_quietly(producer)
             lost = self._database_lost(exc)
@@ -501,7 +633,7 @@ class DualWriter:
         self._hooks.verified(state)
 
     def _lock_late(self, producer: TwoPhaseProducer, sent: Sequence[_Record]
-                   ) -> tuple[Connection, TwoPhaseProducer]:
+                   ) -> tuple[GuardedConnection, TwoPhaseProducer]:
         """The deferred lock (:data:`LateLock`), after the block's first record or at its first
         use of the database (or at its end); start over if anyone claimed the id meanwhile.
 
@@ -610,7 +742,7 @@ class DualWriter:
         self._claimed = self._store.claim([self._tid], timeout_s=self._timeout_s)[self._tid]
 
     def _lock_and_settle(self, producer: TwoPhaseProducer, *, claim: bool = False
-                         ) -> tuple[Connection, TwoPhaseProducer]:
+                         ) -> tuple[GuardedConnection, TwoPhaseProducer]:
         """Lock first, make sure the id is still this writer's claim, finish what is in doubt.
         Returns the connection holding the lock and the producer to go on with.
 
@@ -659,7 +791,7 @@ class DualWriter:
                              f"{_CLAIM_ATTEMPTS} times in a row; is another writer or recovery "
                              "running for it?")
 
-    def _begin_and_lock(self) -> tuple[Connection, StateRow]:
+    def _begin_and_lock(self) -> tuple[GuardedConnection, StateRow]:
         """Begin on the writer's connection and lock the state row.
 
         The connection is kept between transactions (no pool checkout, no ping). One that died
@@ -667,8 +799,11 @@ class DualWriter:
         """
         for attempt in (1, 2):
             if self._conn is None:
-                self._conn = writer_connection(self._engine)
+                conn = writer_connection(self._engine, GuardedConnection)
+                assert isinstance(conn, GuardedConnection)
+                self._conn = conn
             conn = self._conn
+            conn.reclaim()
             try:
                 try:
                     conn.begin()
@@ -709,15 +844,41 @@ class DualWriter:
         """Let go of the writer's connection; what it held is rolled back, freeing the row lock
         (and, on PostgreSQL, the lease: the next transaction locks first again)."""
         conn, self._conn = self._conn, None
+        raw: Any = None
+        if conn is not None:
+            conn.reclaim()
+            if not conn.closed and not conn.invalidated:
+                raw = conn.connection.dbapi_connection
         if self._lease is not None and self._lease.ends_with_connection:
             self._lease.release()
             self._lease = None
             self._lease_check = None
+            if raw is not None:
+                # The release invalidated the connection: a pooled one is closed by that, a
+                # detached one (psycopg's writer connection) only forgotten; close it here so
+                # that its session, and the lease with it, ends now and not when it is
+                # garbage-collected (a writer made next for the id would find the lease held).
+                with contextlib.suppress(Exception):
+                    raw.close()
         if conn is not None:
             try:
                 conn.close()
             except sa.exc.SQLAlchemyError as exc:
                 log.debug("closing the connection of transactional_id=%s: %s", self._tid, exc)
+
+    def _discard_connection(self) -> None:
+        """Close the writer's connection at the driver, which rolls back what it held: after a
+        misuse SQLAlchemy's view of the transaction may not match the database's, so neither
+        its rollback nor the pool's reset on return can be trusted to end it."""
+        conn = self._conn
+        if conn is not None:
+            conn.reclaim()
+            with contextlib.suppress(sa.exc.SQLAlchemyError):
+                raw = conn.connection.dbapi_connection
+                conn.invalidate()  # closes a pooled driver connection, only forgets a detached one
+                if raw is not None:
+                    raw.close()  # the detached one (psycopg's writer connection)
+        self._drop_connection()
 
     def _needs_verification(self, producer: TwoPhaseProducer) -> bool:
         if self._verify_mode == "always":

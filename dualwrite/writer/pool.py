@@ -496,7 +496,10 @@ class DualWriterPool:
             time.sleep(wait)
 
     def _new_writer(self, tid: str) -> DualWriter:
-        return DualWriter(self._engine, self._config, transactional_id=tid, **self._writer_kw)
+        # The id's slot is this pool's: a writer lease still held is that of a pool whose slot
+        # session died, which gives the id up at its next check; take it over.
+        kw = {"take_over": True, **self._writer_kw}
+        return DualWriter(self._engine, self._config, transactional_id=tid, **kw)
 
     def _writer(self, slot: _Slot) -> DualWriter:
         if slot.writer is None:

@@ -131,15 +131,17 @@ def _psycopg_connection(conn: Connection) -> Any | None:
     return conn.connection.dbapi_connection  # (driver_connection is None once detached)
 
 
-def writer_connection(engine: Engine) -> Connection:
-    """A connection for a writer that begins each transaction with :meth:`StateStore.lock`.
+def writer_connection(engine: Engine, connection_class: type[Connection] | None = None
+                      ) -> Connection:
+    """A connection for a writer that begins each transaction with :meth:`StateStore.lock`
+    (an instance of ``connection_class`` if given, which takes the engine).
 
     On psycopg it leaves the pool (it is closed, not returned, by ``close()``) and runs in the
     driver's autocommit mode: ``lock()`` then sends the BEGIN in the same round trip as the
     upsert, which psycopg's own BEGIN would not allow. Other drivers get a plain connection.
     """
     try:
-        conn = engine.connect()
+        conn = engine.connect() if connection_class is None else connection_class(engine)
     except sa.exc.SQLAlchemyError as exc:
         raise database_error(exc, engine.url) from exc
     raw = _psycopg_connection(conn)
