@@ -8,6 +8,8 @@ Environment variables:
 - ``DUALWRITE_TEST_BOOTSTRAP_39``: the same for ``kafka39``.
 - ``DUALWRITE_TEST_POSTGRES_URL``: use this database for ``postgres_url``.
 - ``DUALWRITE_TEST_KAFKA_VERSION`` / ``DUALWRITE_TEST_KAFKA39_VERSION``: versions to start.
+- ``DUALWRITE_TEST_COMPAT_VERSIONS``: comma-separated Kafka versions of the compatibility tier
+  (tests/test_compat.py); each is started once, alone, while its tests run.
 - ``DUALWRITE_TEST_BACKEND``: ``auto`` (default), ``jars`` or ``docker``.
 
 ``kafka3`` always starts a local 3-broker cluster (its tests kill and restart brokers).
@@ -34,6 +36,10 @@ from dualwrite.dev.kafka_cluster import Backend
 KAFKA_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA_VERSION", "4.3.1")
 KAFKA39_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA39_VERSION", "3.9.2")
 BACKEND = cast(Backend, os.environ.get("DUALWRITE_TEST_BACKEND", "auto"))
+# The compatibility tier: every supported release line but the default's (which runs the full
+# suite). 4.4.0 resolves from Maven Central since kafka-tools-api 4.4.0 appeared there.
+COMPAT_VERSIONS = [v.strip() for v in os.environ.get(
+    "DUALWRITE_TEST_COMPAT_VERSIONS", "3.9.2,4.0.2,4.1.2,4.2.2,4.4.0").split(",") if v.strip()]
 TWO_PC_CONFIG = {
     "transaction.two.phase.commit.enable": "true",
     "unstable.api.versions.enable": "true",
@@ -51,9 +57,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--faults", type=int, default=0, metavar="N",
         help="also run the long fault suite: N mixed faults on a 3-broker cluster",
     )
+    parser.addoption(
+        "--compat-full", action="store_true", default=False,
+        help="run the whole compatibility tier (tests/test_compat.py) on every version, "
+             "not only its quick form",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--compat-full"):
+        skip_full = pytest.mark.skip(reason="compatibility tier, full form: run with --compat-full")
+        for item in items:
+            if "compat_full" in item.keywords:
+                item.add_marker(skip_full)
     if config.getoption("--soak"):
         return
     skip = pytest.mark.skip(reason="slow soak test: run with --soak")

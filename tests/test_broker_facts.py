@@ -1,8 +1,9 @@
 """Pin, on real brokers, the Kafka and librdkafka behaviour dualwrite's design relies on.
 
 Each test names the claim of /work/shared/FACTS.md (or of the issue) it checks; docs/broker-facts.md
-records what was measured, with versions and error codes. Tests run on Kafka 4.3.1 (``kafka``) and
-3.9.x (``kafka39``) unless the fact is about one of them; the KIP-939 checks use ``kafka_2pc``.
+records what was measured, with versions and error codes. Tests run on Kafka 4.3.1 (``kafka``); the
+compatibility tier (tests/test_compat.py) runs most of them on 3.9.x, 4.0, 4.1, 4.2 and 4.4 too.
+The KIP-939 checks use ``kafka_2pc``; the 3.9-only checks ``kafka39``.
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ UNSUPPORTED_VERSION = 35
 INT32_MAX = 2**31 - 1
 
 
-@pytest.fixture(params=["kafka", pytest.param("kafka39", marks=pytest.mark.kafka39)])
-def bootstrap(request: pytest.FixtureRequest) -> str:
-    """Each test runs once on Kafka 4.3.1 and once on 3.9.x."""
-    servers: str = request.getfixturevalue(request.param).bootstrap_servers
+@pytest.fixture
+def bootstrap(kafka: Any) -> str:
+    """Kafka 4.3.1; tests/test_compat.py runs these tests on 3.9.x and the other versions."""
+    servers: str = kafka.bootstrap_servers
     return servers
 
 

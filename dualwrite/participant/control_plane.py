@@ -444,6 +444,8 @@ class ControlPlane:
         # Fresh broker list first: every broker holds a slice of __transaction_state.
         self._run(self._link.bootstrap, int(self._timeout_s * 1000))
         pattern = None
+        # The pattern is ListTransactions v2 (KIP-1152, Kafka 4.1+); 3.9 and 4.0 offer v1, where
+        # kafka-python refuses a pattern (UNSUPPORTED_VERSION): filter on the client alone.
         if prefix is not None and (self._link.max_version(_LIST_TRANSACTIONS) or 0) >= 2:
             pattern = "^" + re.escape(prefix) + ".*"
         by_broker: dict[int, list[Any]] = self._call(
@@ -653,6 +655,7 @@ class ControlPlane:
                  default=None)
         configs = self._broker_configs(brokers[0].node_id) if brokers else {}
         max_timeout = configs.get("transaction.max.timeout.ms")
+        # Absent before Kafka 4.1 (KIP-939): reported as None ("not known"), not False.
         two_pc_cfg = configs.get("transaction.two.phase.commit.enable")
         enable_2pc = keep = "not tried"
         if check_2pc:
