@@ -273,9 +273,17 @@ def test_dev_cli_up_status_down(tmp_path: Path) -> None:
         assert status.returncode == 0, status.stdout + status.stderr
         assert "1/1 broker(s) up" in status.stdout
 
-        again = _dev(home, "up", "--backend", "jars")
-        assert again.returncode != 0
-        assert "already running" in again.stderr
+        # The same cluster again: reused (a README's `eval "$(dev up ...)"` may run twice),
+        # with the topics it asks for created; a different one is refused.
+        again = _dev(home, "up", "--backend", "jars", "--topic", "made-on-reuse:2")
+        assert again.returncode == 0, again.stderr
+        assert "already running at" in again.stdout
+        assert f"export DUALWRITE_BOOTSTRAP_SERVERS={state['bootstrap_servers']}" in again.stdout
+        topics = admin.list_topics(timeout=20).topics
+        assert len(topics["made-on-reuse"].partitions) == 2
+        other = _dev(home, "up", "--backend", "jars", "--brokers", "3")
+        assert other.returncode != 0
+        assert "a different dev cluster is already running" in other.stderr
     finally:
         down = _dev(home, "down")
     assert down.returncode == 0, down.stderr
