@@ -28,6 +28,7 @@ from dualwrite.batch.coordinator import BatchCoordinator
 from dualwrite.batch.decision_log import DecisionLog, SinkRecord, check_sink_id
 from dualwrite.batch.naming import pool_pattern
 from dualwrite.database import create_engine, transaction
+from dualwrite.deadline import deadline_scope
 from dualwrite.errors import (
     BatchHeuristicAbortError,
     BrokerUnreachableError,
@@ -119,7 +120,8 @@ class RecoveryRun:
               progress: Progress | None) -> dict[str, RecoveryResult]:
         """One pass over ``ids`` in chunks; the ids it resolved (the first pass leaves some)."""
         chunks = [ids[i:i + _CHUNK] for i in range(0, len(ids), _CHUNK)]
-        futures = [pool.submit(self._resolve_chunk, chunk, first_pass) for chunk in chunks]
+        futures = [pool.submit(self._resolve_chunk_in_time, chunk, first_pass)
+                   for chunk in chunks]
         resolved: dict[str, RecoveryResult] = {}
         for chunk, future in zip(chunks, futures, strict=True):
             for tid, result in zip(chunk, future.result(), strict=True):
@@ -129,6 +131,12 @@ class RecoveryRun:
                 if progress is not None:
                     progress(result)
         return resolved
+
+    def _resolve_chunk_in_time(self, ids: Sequence[str], first_pass: bool
+                               ) -> list[RecoveryResult | None]:
+        """:meth:`_resolve_chunk`, its waits sharing one deadline of ``timeout_s``."""
+        with deadline_scope(self._timeout_s):
+            return self._resolve_chunk(ids, first_pass)
 
     def _resolve_chunk(self, ids: Sequence[str], first_pass: bool
                        ) -> list[RecoveryResult | None]:
@@ -369,15 +377,17 @@ def recover(engine: Engine | str, kafka_config: Mapping[str, Any],
     started = time.monotonic()
     kafka_config = check_kafka_config(kafka_config)  # bad input fails before any work
     engine = create_engine(engine) if isinstance(engine, str) else engine
-    if transactional_ids is None:
-        ids = [r.transactional_id for r in StateStore(engine).read_all()]
-    else:
-        ids = list(dict.fromkeys(transactional_ids))
-    sinks = _sinks_to_recover(engine, transactional_ids, sink_ids)
+    with deadline_scope(timeout_s):  # the start: an unreachable side fails it within timeout_s
+        if transactional_ids is None:
+            ids = [r.transactional_id for r in StateStore(engine).read_all()]
+        else:
+            ids = list(dict.fromkeys(transactional_ids))
+        sinks = _sinks_to_recover(engine, transactional_ids, sink_ids)
+        cp = ControlPlane(kafka_config, timeout_s=timeout_s) if ids or sinks else None
     results: list[RecoveryResult] = []
     sink_results: list[SinkRecoveryResult] = []
-    if ids or sinks:
-        with ControlPlane(kafka_config, timeout_s=timeout_s) as cp:
+    if cp is not None:
+        with cp:
             run = RecoveryRun(engine, cp, kafka_config, acknowledge_heuristic=acknowledge_heuristic,
                               timeout_s=timeout_s, parallelism=parallelism)
             results, sink_results = run.run(ids, sinks, progress)
@@ -408,6 +418,12 @@ def status(engine: Engine | str, kafka_config: Mapping[str, Any], *,
     """
     kafka_config = check_kafka_config(kafka_config)  # bad input fails before any work
     engine = create_engine(engine) if isinstance(engine, str) else engine
+    with deadline_scope(timeout_s):
+        return _status(engine, kafka_config, prefix, timeout_s)
+
+
+def _status(engine: Engine, kafka_config: Mapping[str, Any], prefix: str | None,
+            timeout_s: float) -> reports.StatusReport:
     rows: list[StateRow] = StateStore(engine).read_all()
     decisions = DecisionLog(engine)
     records = decisions.read_all() if decisions.has_tables() else []
