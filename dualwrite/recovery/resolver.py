@@ -120,8 +120,7 @@ class RecoveryRun:
               progress: Progress | None) -> dict[str, RecoveryResult]:
         """One pass over ``ids`` in chunks; the ids it resolved (the first pass leaves some)."""
         chunks = [ids[i:i + _CHUNK] for i in range(0, len(ids), _CHUNK)]
-        futures = [pool.submit(self._resolve_chunk_in_time, chunk, first_pass)
-                   for chunk in chunks]
+        futures = [pool.submit(self._resolve_chunk, chunk, first_pass) for chunk in chunks]
         resolved: dict[str, RecoveryResult] = {}
         for chunk, future in zip(chunks, futures, strict=True):
             for tid, result in zip(chunk, future.result(), strict=True):
@@ -131,12 +130,6 @@ class RecoveryRun:
                 if progress is not None:
                     progress(result)
         return resolved
-
-    def _resolve_chunk_in_time(self, ids: Sequence[str], first_pass: bool
-                               ) -> list[RecoveryResult | None]:
-        """:meth:`_resolve_chunk`, its waits sharing one deadline of ``timeout_s``."""
-        with deadline_scope(self._timeout_s):
-            return self._resolve_chunk(ids, first_pass)
 
     def _resolve_chunk(self, ids: Sequence[str], first_pass: bool
                        ) -> list[RecoveryResult | None]:
@@ -179,11 +172,14 @@ class RecoveryRun:
         per chunk). Fills ``stored`` with each id's state text as read, for the chunk's failure
         report."""
         results: dict[str, RecoveryResult | None] = {}
-        claimed = self._store.claim(ids, connection=lease_conn)
+        # A row held by an orphaned session (idle in transaction): LockTimeoutError after
+        # timeout_s, not a wait without end.
+        claimed = self._store.claim(ids, connection=lease_conn, timeout_s=self._timeout_s)
         with transaction(self._engine, connection=lease_conn) as conn:
             self._leases.verify_session(conn, lease_pid)
             states: dict[str, PreparedTxnState] = {}
-            for tid, row in self._store.lock_rows(conn, ids).items():
+            rows = self._store.lock_rows(conn, ids, timeout_s=self._timeout_s)
+            for tid, row in rows.items():
                 text = stored[tid] = row.prepared_txn_state
                 if row.fencing_generation != claimed[tid]:
                     results[tid] = RecoveryResult(

@@ -127,7 +127,7 @@ def _wait_bound(timeout_s: float | None) -> float | None:
         bound = deadline.wait_s()
     else:
         return None
-    return max(MIN_WAIT_S, bound - min(1.0, bound / 5))
+    return max(MIN_WAIT_S, bound - min(0.3, bound / 10))
 
 
 def _utc(value: datetime) -> datetime:
@@ -296,10 +296,11 @@ class StateStore:
                      row.prepared_txn_state, row.fencing_generation)
         return row
 
-    def lock_rows(self, conn: Connection, transactional_ids: Sequence[str]
-                  ) -> dict[str, StateRow]:
+    def lock_rows(self, conn: Connection, transactional_ids: Sequence[str], *,
+                  timeout_s: float | None = None) -> dict[str, StateRow]:
         """:meth:`lock_row` for many ids in one round trip (locked in id order); ids without a
-        row get one, as with :meth:`lock`."""
+        row get one, as with :meth:`lock`. ``timeout_s`` (and the current deadline) bound the
+        wait for another holder on PostgreSQL: :class:`~dualwrite.errors.LockTimeoutError`."""
         ids = sorted(set(transactional_ids))
         for tid in ids:
             _check("transactional_id", tid, allow_empty=False)
@@ -309,7 +310,7 @@ class StateStore:
                  .where(t.c.transactional_id.in_(ids)).order_by(t.c.transactional_id))
         if conn.dialect.name == "postgresql":
             query = query.with_for_update()  # rows are locked as the sorted scan returns them
-        timeout_s = _wait_bound(None)
+        timeout_s = _wait_bound(timeout_s)
         try:
             if timeout_s is not None and ids and conn.dialect.name == "postgresql":
                 # A row held by an orphaned idle-in-transaction session: LockTimeoutError
@@ -321,7 +322,7 @@ class StateStore:
             self._reraise(conn, exc)
         for tid in ids:
             if tid not in found:
-                found[tid] = self.lock_row(conn, tid)
+                found[tid] = self.lock_row(conn, tid, timeout_s=timeout_s)
         return found
 
     def write(self, conn: Connection, transactional_id: str, state: str) -> None:
