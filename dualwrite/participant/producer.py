@@ -228,19 +228,25 @@ class TwoPhaseProducer:
         self._start_librdkafka()
 
     def _start_librdkafka(self) -> None:
+        producer: Producer | None
         try:
             producer = Producer(self._config)
         except (KafkaException, TypeError, ValueError) as exc:
             cause = exc.args[0].str() if isinstance(exc, KafkaException) else str(exc)
             raise ConfigurationError(f"the Kafka configuration of {self._tid!r} is not valid: "
                                      f"{cause}") from None
+        assert producer is not None
         wait = within(self._timeout_s)
         try:
             producer.init_transactions(wait)
         except KafkaException as exc:
-            raise librdkafka_error(
+            error = librdkafka_error(
                 exc, f"init_transactions (InitProducerId) transactional_id={self._tid} with Kafka "
-                f"at {self._servers} (waited {wait:.3g} s)") from exc
+                f"at {self._servers} (waited {wait:.3g} s)")
+            # Destroy the handle now: kept alive by this frame (the traceback holds it), it
+            # would go on sending InitProducerId in the background once the broker is back.
+            producer = None
+            raise error from exc
         self._producer = producer
         desc = self._cp.describe_transaction(self._tid)
         if desc is None:
