@@ -496,7 +496,8 @@ class DualWriter:
         if conn is None or lease is None:
             return "lost"
         try:
-            with conn.own_use():
+            # Bounded on the helper thread too: a silent peer must not hold the next transaction.
+            with conn.own_use(), deadline_scope(self._timeout_s):
                 stored, backend_pid = self._store.generation_on(conn, self._tid)
         except DualWriteError as exc:
             log.info("transactional_id=%s: checking the lease's session failed (%s)", self._tid,

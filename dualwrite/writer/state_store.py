@@ -423,7 +423,8 @@ class StateStore:
                       .where(t.c.transactional_id == transactional_id).scalar_subquery())
         try:
             try:
-                found = conn.execute(sa.select(sa.func.pg_backend_pid(), generation)).one()
+                with bounded_wait(conn, "the lease check"):
+                    found = conn.execute(sa.select(sa.func.pg_backend_pid(), generation)).one()
             finally:
                 conn.rollback()  # ends SQLAlchemy's implicit transaction (none on a writer's)
         except sa.exc.SQLAlchemyError as exc:
