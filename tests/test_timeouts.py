@@ -25,7 +25,7 @@ from dualwrite import (
     BrokerUnreachableError,
     DatabaseUnreachableError,
     DualWriter,
-    LockTimeoutError,
+    FatalError,
     OutcomeUnknownError,
 )
 from dualwrite.database import normalize_url
@@ -270,7 +270,7 @@ def test_database_silent_during_the_row_lock(writers: Any, pg_proxy: tuple[TcpPr
     """The lock reaches the server (the row is locked), its answer never comes back: the
     writer's wait ends at its deadline (the connection is abandoned); the server keeps an
     orphaned session, idle in transaction, holding the row lock and the lease. A second
-    writer of the id gets LockTimeoutError within the bound, recover leaves the id to the
+    writer of the id is refused (the lease is held) within the bound, recover leaves the id to the
     orphan's lease within the bound; once the orphan is gone, recovery settles the id."""
     proxy, through = pg_proxy
     topic = kafka.create_topic(f"tmo-{uuid.uuid4().hex[:8]}", 1)
@@ -283,7 +283,7 @@ def test_database_silent_during_the_row_lock(writers: Any, pg_proxy: tuple[TcpPr
            _host_port(through))
     assert locked.is_set()
     second = writers(pg_url, bootstrap, tid)
-    _timed(lambda: _write(second, topic, "second"), LockTimeoutError, "locked")
+    _timed(lambda: _write(second, topic, "second"), FatalError, "in use")  # its lease
     started = time.monotonic()
     report = dualwrite.recover(pg_url, {"bootstrap.servers": bootstrap}, timeout_s=TIMEOUT_S)
     assert time.monotonic() - started <= BOUND_S
