@@ -5,7 +5,9 @@ direction. On command it can cut every current connection, refuse new ones, hold
 one or both directions (a network partition: held bytes are delivered on :meth:`TcpProxy.release`,
 and a side that closed meanwhile is closed only after them, as a kernel delivers an orphaned
 socket's data), drop the response to one request (forward the request, then close the connection
-instead of forwarding its answer), or hold one request and everything after it on its connection.
+instead of forwarding its answer), hold one request and everything after it on its connection, or
+forward one request and hold its answer and everything after it (a connection that went
+half-open after the request arrived: the server acted, the client never hears).
 
 With ``kafka_framing`` requests and responses are split into Kafka frames (4-byte length), so a
 rule can pick a request by API key and drop exactly its response (by correlation id); otherwise
@@ -136,6 +138,15 @@ class _Connection:
                 if kind == "drop":
                     wanted = _correlation_id(message, True) if framing else None
                     self.drop_response = (wanted, done)
+                elif kind == "hold_response":  # forward it, hold what follows, both ways
+                    self.down.held = True
+                    try:
+                        pipe.dst.sendall(message)
+                    except OSError:
+                        return False
+                    self.up.held = True
+                    done.set()
+                    return True
                 else:  # hold this request and everything after it, both ways
                     self.up.held = self.down.held = True
                     done.set()
@@ -262,6 +273,13 @@ class TcpProxy:
         """Hold the next matching request and everything after it on its connection (both
         ways) until :meth:`release`. The event is set once it was caught."""
         return self._arm("hold", match)
+
+    def hold_next_response(self, match: Match | None = None) -> threading.Event:
+        """Forward the next matching request, then hold its response and everything after it
+        on its connection (both ways) until :meth:`release`: the server acts on the request
+        and the client never hears back, while the connection stays open (half-open). The
+        event is set once the request was forwarded."""
+        return self._arm("hold_response", match)
 
     def _arm(self, kind: str, match: Match | None) -> threading.Event:
         done = threading.Event()

@@ -90,6 +90,7 @@ def _pg_error(sqlstate: str | None, text: str = "boom", *, invalidated: bool = F
     (None, False, DatabaseUnreachableError),      # psycopg: socket closed, connect refused
     ("XX000", True, DatabaseUnreachableError),    # whatever, on an invalidated connection
     ("55P03", False, LockTimeoutError),           # lock_not_available (lock_timeout)
+    ("57014", False, DatabaseUnreachableError),   # query_canceled (statement_timeout)
     ("40001", False, TransactionConflictError),   # serialization_failure
     ("40P01", False, TransactionConflictError),   # deadlock_detected
     ("42P01", False, MigrationRequiredError),     # undefined_table

@@ -169,3 +169,40 @@ def test_refuse(echo: int) -> None:
         proxy.refuse(False)
         time.sleep(0.1)  # let the refused connection's reset settle
         assert _ask(_connect(proxy), b"up") == b"re:up"
+
+
+def test_hold_next_response_forwards_the_request_and_holds_the_answer() -> None:
+    """The server gets the request; its answer (and anything after it) waits for release()."""
+    received: list[bytes] = []
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while data := conn.recv(65536):
+                received.append(data)
+                conn.sendall(b"re:" + data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    with TcpProxy(int(listener.getsockname()[1])) as proxy:
+        sock = _connect(proxy)
+        assert _ask(sock, b"1") == b"re:1"
+        forwarded = proxy.hold_next_response(contains(b"COMMIT"))
+        sock.sendall(b"COMMIT")
+        assert forwarded.wait(2.0)
+        sock.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            sock.recv(10)  # the connection is open, the answer never comes
+        assert received == [b"1", b"COMMIT"]  # but the server did get the request
+        sock.sendall(b"after")
+        time.sleep(0.2)
+        assert received == [b"1", b"COMMIT"]  # what follows is held too
+        proxy.release()
+        sock.settimeout(2.0)
+        got = b""
+        while len(got) < len(b"re:COMMITre:after"):
+            got += sock.recv(64)
+        assert got == b"re:COMMITre:after"
+    listener.close()

@@ -17,8 +17,12 @@ Credentials never appear in messages or logs: URLs are always rendered with the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import os
 import shlex
+import socket
 import sqlite3
 import threading
 import weakref
@@ -36,6 +40,7 @@ from sqlalchemy import Connection, Engine, event
 from sqlalchemy.engine import URL, make_url
 
 from dualwrite.database.schema import STATE_TABLE, TRANSACTION_STATE, VERSION_TABLE
+from dualwrite.deadline import current_deadline
 from dualwrite.errors import (
     ConfigurationError,
     DatabaseUnreachableError,
@@ -50,6 +55,7 @@ __all__ = [
     "MIGRATIONS_RESOURCE",
     "MIGRATION_LOCK_KEY",
     "SQLITE_BEGIN_OPTION",
+    "bounded_wait",
     "check_schema",
     "create_engine",
     "current_revision",
@@ -77,6 +83,12 @@ SQLITE_BEGIN_OPTION = "dualwrite_sqlite_begin"
 
 DEFAULT_SQLITE_BUSY_TIMEOUT_S = 30.0
 DEFAULT_PG_CONNECT_TIMEOUT_S = 10
+#: libpq's TCP settings on every PostgreSQL connection (unless the URL or connect_args set them):
+#: a dead peer (half-open connection, packets silently dropped) is found in about 25 s while
+#: idle (keepalives) and 30 s while data waits for its acknowledgement (tcp_user_timeout, ms).
+#: Under a dualwrite deadline (a writer's connect) they are scaled down to its ``timeout_s``.
+DEFAULT_PG_TCP_SETTINGS = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
+                           "keepalives_count": 3, "tcp_user_timeout": 30_000}
 
 _SQLITE_BEGIN_MODES = frozenset({"DEFERRED", "IMMEDIATE", "EXCLUSIVE"})
 _IMMEDIATE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -148,7 +160,12 @@ def create_engine(url: str | URL, **kw: Any) -> Engine:
     ``pool_pre_ping`` to True, so a restarted server costs a reconnect, not an error. psycopg's
     automatic server-side prepared statements are off (``prepare_threshold=None``): behind a
     pooler that hands each transaction another server session (PgBouncer's transaction
-    pooling) a statement prepared in one session is missing in the next.
+    pooling) a statement prepared in one session is missing in the next. TCP
+    keepalives and ``tcp_user_timeout`` are on (:data:`DEFAULT_PG_TCP_SETTINGS`), so a
+    connection to a peer that silently vanished fails instead of hanging for ~15 minutes. A
+    connection made under a :func:`dualwrite.deadline.deadline_scope` (a DualWriter's, a
+    recovery's) waits no longer than the deadline to connect, and its TCP timeouts are scaled
+    to the scope's budget.
 
     Other keyword arguments go to :func:`sqlalchemy.create_engine`.
     """
@@ -164,8 +181,16 @@ def create_engine(url: str | URL, **kw: Any) -> Engine:
         connect_args.setdefault("connect_timeout", DEFAULT_PG_CONNECT_TIMEOUT_S)
     if parsed.get_driver_name() == "psycopg":
         connect_args.setdefault("prepare_threshold", None)
+    libpq = parsed.get_driver_name() in ("psycopg", "psycopg2")
+    if libpq:
+        for key, value in DEFAULT_PG_TCP_SETTINGS.items():
+            if key not in parsed.query:
+                connect_args.setdefault(key, value)
     kw.setdefault("pool_pre_ping", True)
-    return _sa_engine(parsed, connect_args, kw)
+    engine = _sa_engine(parsed, connect_args, kw)
+    if libpq:
+        event.listen(engine, "do_connect", _connect_within_deadline)
+    return engine
 
 
 def _sa_engine(url: URL, connect_args: dict[str, Any], kw: dict[str, Any]) -> Engine:
@@ -179,6 +204,85 @@ def _sa_engine(url: URL, connect_args: dict[str, Any], kw: dict[str, Any]) -> En
             "postgresql:// needs psycopg 3 (pip install 'psycopg[binary]')") from None
     except (sa.exc.ArgumentError, ValueError, TypeError) as exc:
         raise ConfigurationError(f"database URL {mask_url(url)}: {exc}") from None
+
+
+def _connect_within_deadline(_dialect: Any, _record: Any, _cargs: Any,
+                             cparams: dict[str, Any]) -> None:
+    """Cap libpq's connect and TCP timeouts by the current deadline (dualwrite.deadline)."""
+    deadline = current_deadline()
+    if deadline is None:
+        return
+    budget = max(1.0, deadline.budget_s)
+
+    def cap(key: str, value: int) -> None:
+        try:
+            own = int(cparams.get(key) or 0)
+        except (TypeError, ValueError):
+            own = 0
+        cparams[key] = value if own <= 0 else min(own, value)
+
+    # libpq's minimum connect_timeout is 2 s, whole seconds.
+    cap("connect_timeout", max(2, math.ceil(deadline.left())))
+    cap("tcp_user_timeout", int(budget * 1000))
+    cap("keepalives_idle", max(1, int(budget / 3)))
+    cap("keepalives_interval", max(1, int(budget / 6)))
+
+
+@contextmanager
+def bounded_wait(conn: Connection, what: str) -> Iterator[None]:
+    """Bound a wait for the database on ``conn`` (psycopg) by the current deadline.
+
+    The kernel's TCP timeouts do not see a peer that acknowledges packets and never answers (a
+    stuck proxy or pooler, a paused server), and libpq has no client-side statement timeout:
+    past the deadline the connection's socket is shut down, which ends the driver's wait with
+    a lost connection, raised as :class:`DatabaseUnreachableError` naming the server and
+    ``what`` was waited for. Nothing is bounded outside a deadline scope or on other drivers.
+    """
+    deadline = current_deadline()
+    raw = conn.connection.dbapi_connection if conn.dialect.driver == "psycopg" else None
+    if deadline is None or raw is None:
+        yield
+        return
+    wait = deadline.wait_s()
+    guard = threading.Lock()
+    fired = threading.Event()
+    done = False
+
+    def abandon() -> None:
+        with guard:
+            if done:
+                return
+            fired.set()
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            dup = socket.socket(fileno=os.dup(raw.pgconn.socket))
+            with dup:
+                dup.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(wait, abandon)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except BaseException as exc:
+        if fired.is_set() and not isinstance(exc, DualWriteError):
+            raise DatabaseUnreachableError(
+                f"the database at {_endpoint(conn.engine.url)} did not answer {what} within "
+                f"{wait:.3g} s (no answer on an open connection: a half-open connection, a "
+                "stuck pooler or a paused server); the connection was abandoned") from exc
+        if fired.is_set() and isinstance(exc, DatabaseUnreachableError):
+            raise DatabaseUnreachableError(
+                f"the database at {_endpoint(conn.engine.url)} did not answer {what} within "
+                f"{wait:.3g} s; the connection was abandoned ({exc})") from exc
+        raise
+    finally:
+        with guard:
+            done = True
+        timer.cancel()
+
+
+def _endpoint(url: URL) -> str:
+    """host:port of a database URL (never its password)."""
+    return f"{url.host or 'localhost'}:{url.port or 5432}"
 
 
 def _install_sqlite_hooks(engine: Engine) -> None:
@@ -232,6 +336,8 @@ _UNREACHABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "57P05", "25P03",
 _CONFLICT_SQLSTATES = frozenset({"40001", "40P01"})
 #: lock_not_available: lock_timeout (or NOWAIT) expired.
 _LOCK_NOT_AVAILABLE = "55P03"
+#: query_canceled: statement_timeout expired (or a cancel request).
+_QUERY_CANCELED = "57014"
 #: undefined_table, undefined_column.
 _MISSING_SCHEMA_SQLSTATES = frozenset({"42P01", "42703"})
 _SQLITE_MISSING_SCHEMA = ("no such table", "no such column", "has no column named")
@@ -285,6 +391,8 @@ def database_error(exc: BaseException, url: URL, *, table: str | None = None) ->
       SQLSTATE, a pool timeout): :class:`DatabaseUnreachableError` (retry);
     - a lock held past the timeout (55P03; SQLite "database is locked" past its busy timeout):
       :class:`LockTimeoutError` (retry);
+    - a statement past its statement_timeout, or cancelled (57014):
+      :class:`DatabaseUnreachableError` (retry);
     - serialization failure (40001) or deadlock (40P01): :class:`TransactionConflictError`
       (run the transaction again);
     - a missing table or column (42P01, 42703, SQLite "no such table/column"):
@@ -316,6 +424,10 @@ def database_error(exc: BaseException, url: URL, *, table: str | None = None) ->
                 "transactional id, or recovery)" if table else
                 f"a lock in the database {where} stayed held by another process")
         return LockTimeoutError(f"{what} for longer than the lock timeout ({detail}); retry")
+    if state == _QUERY_CANCELED:
+        return DatabaseUnreachableError(
+            f"the database {where} did not complete dualwrite's statement in time "
+            f"(statement_timeout, or a cancel: {detail}); nothing of it was committed, retry")
     if state in _CONFLICT_SQLSTATES:
         return TransactionConflictError(
             f"the database {where} rolled the transaction back to resolve a conflict with a "
@@ -369,12 +481,15 @@ def transaction(engine: Engine, *, read_only: bool = False,
     Failing to connect, BEGIN or COMMIT raise the :func:`database_error` of the failure
     (:class:`DatabaseUnreachableError` when the connection is lost or cannot be made); an
     error raised inside the block propagates unchanged, except a lost connection
-    (:class:`DatabaseUnreachableError`). ``read_only`` only matters on SQLite, where it begins a
+    (:class:`DatabaseUnreachableError`). Under a :func:`dualwrite.deadline.deadline_scope` the
+    transaction is bounded by the deadline (:func:`bounded_wait`). ``read_only`` only matters on
+    SQLite, where it begins a
     deferred transaction that does not wait for (or block) writers. ``connection``: run it on
     this open connection (not in a transaction) instead of one from the pool; it stays open.
     """
     if connection is not None:
-        with _in_transaction(connection, engine.url) as conn:
+        with (bounded_wait(connection, "a statement of dualwrite"),
+              _in_transaction(connection, engine.url) as conn):
             yield conn
         return
     try:
@@ -384,7 +499,8 @@ def transaction(engine: Engine, *, read_only: bool = False,
     with conn:
         if read_only and engine.dialect.name == "sqlite":
             conn.execution_options(**{SQLITE_BEGIN_OPTION: "DEFERRED"})
-        with _in_transaction(conn, engine.url) as inner:
+        with (bounded_wait(conn, "a statement of dualwrite"),
+              _in_transaction(conn, engine.url) as inner):
             yield inner
 
 

@@ -123,9 +123,19 @@ class KafkaLink:
         result: T = self._manager.run(coro, *args)
         return result
 
-    async def send(self, request: Any, node_id: int | None = None) -> Any:
-        """Send ``request`` to ``node_id`` (None: the least loaded broker); await the response."""
-        return await self._manager.send(request, node_id=node_id)
+    async def send(self, request: Any, node_id: int | None = None,
+                   timeout_ms: int | None = None) -> Any:
+        """Send ``request`` to ``node_id`` (None: the least loaded broker); await the response,
+        for at most ``timeout_ms`` (default: the client's ``request_timeout_ms``).
+
+        The bound covers a connection still being set up (kafka-python's own setup timeout is
+        separate, 10 s and more): kafka-python buffers the request meanwhile and drops it
+        unsent once its timeout has passed, so a request given up here never leaves later.
+        """
+        future = self._manager.send(request, node_id=node_id, request_timeout_ms=timeout_ms)
+        if timeout_ms is None:
+            return await future
+        return await self._manager.wait_for(future, timeout_ms)
 
     async def sleep(self, seconds: float) -> None:
         await self._net.sleep(seconds)

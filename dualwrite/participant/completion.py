@@ -23,6 +23,7 @@ from typing import Any
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as CKTopicPartition
 
+from dualwrite.deadline import bounded, wait_s
 from dualwrite.errors import (
     FatalError,
     HeuristicAbortError,
@@ -94,7 +95,7 @@ def prefetch(cp: ControlPlane, states: Mapping[str, PreparedTxnState]) -> Prefet
 def _wait_until_settled(cp: ControlPlane, tid: str, timeout_s: float,
                         prefetched: Prefetched | None) -> TransactionDescription | None:
     """Describe ``tid``, waiting while the coordinator is mid-way through writing markers."""
-    deadline = time.monotonic() + timeout_s
+    deadline = bounded(timeout_s).at
     if prefetched is not None:
         desc = prefetched.descriptions.get(tid)  # absent: the coordinator does not know the id
     else:
@@ -146,7 +147,7 @@ def committed_at_anchor(consumer_config: Mapping[str, Any], tp: TopicPartition, 
     :class:`OutcomeUnknownError` when it cannot be read within ``timeout_s`` (an open transaction
     may keep the stable offset below it). ``transactional_id`` and ``state`` name it in errors.
     """
-    deadline = time.monotonic() + timeout_s
+    deadline = bounded(timeout_s).at
     while True:
         try:
             why = _anchor_unreadable(consumer_config, tp, offset, deadline)
@@ -241,7 +242,7 @@ def _wait_for_live_owner(cp: ControlPlane, tid: str, state: PreparedTxnState, ti
     """Wait while the named transaction is open and its writer alive (it is committing it)."""
     log.info("transactional_id=%s state=%s is open and its writer holds the lease: waiting for "
              "it to commit its own transaction", tid, state)
-    deadline = time.monotonic() + timeout_s
+    deadline = bounded(timeout_s).at
     while time.monotonic() < deadline:
         time.sleep(0.05)
         desc = cp.describe_transaction(tid)
@@ -417,7 +418,7 @@ def _resolve_hashed_anchor(consumer_config: Mapping[str, Any], anchor: Anchor,
     """The partition a hashed anchor names, found among the cluster's topics by digest."""
     consumer = _consumer(consumer_config, "read_uncommitted")
     try:
-        topics = consumer.list_topics(timeout=timeout_s).topics
+        topics = consumer.list_topics(timeout=wait_s(timeout_s)).topics
     except KafkaException as exc:
         raise librdkafka_error(exc, "listing the cluster's topics",
                                otherwise=RetriableError) from exc

@@ -28,6 +28,7 @@ from kafka.protocol.metadata import (
     MetadataRequest,
 )
 
+from dualwrite.deadline import Deadline, bounded, wait_s
 from dualwrite.errors import (
     BrokerUnreachableError,
     FatalError,
@@ -267,7 +268,7 @@ class ControlPlane:
         kp = kafka_python_config(config)
         kp.setdefault("client_id", "dualwrite-control-plane")
         kp["request_timeout_ms"] = int(timeout_s * 1000)
-        kp["bootstrap_timeout_ms"] = int(timeout_s * 1000)
+        kp["bootstrap_timeout_ms"] = int(wait_s(timeout_s) * 1000)
         kp["reconnect_backoff_max_ms"] = 1000
         # Recovery's threads share a connection per broker: let their requests queue on the wire
         # rather than in the client (kafka-python's default allows 5 in flight).
@@ -281,7 +282,8 @@ class ControlPlane:
             if failure is not None:
                 raise FatalError(failure) from None
             raise BrokerUnreachableError(
-                f"no Kafka broker answered at {self._servers} within {timeout_s:g} s ({exc!r}); "
+                f"no Kafka broker answered at {self._servers} within "
+                f"{wait_s(timeout_s):.3g} s ({exc!r}); "
                 "check bootstrap.servers and that the cluster is up (`dualwrite dev status`)"
             ) from exc
         self._admin = self._link.admin
@@ -322,24 +324,32 @@ class ControlPlane:
                 raise_for_code(code, str(exc))
             raise RetriableError(f"Kafka request failed: {exc!r}") from exc
 
-    async def _coordinator(self, transactional_id: str) -> int:
-        return (await self._find_coordinators([transactional_id]))[transactional_id]
+    def _deadline(self) -> Deadline:
+        """This call's deadline: the caller's (dualwrite.deadline), or ``timeout_s`` from now."""
+        return bounded(self._timeout_s)
 
-    async def _find_coordinators(self, ids: list[str]) -> dict[str, int]:
+    async def _send(self, dl: Deadline, request: Any, node: int | None = None) -> Any:
+        """Send a request, waiting for its answer no longer than ``dl`` allows."""
+        return await self._link.send(request, node, int(dl.wait_s() * 1000))
+
+    async def _coordinator(self, transactional_id: str, dl: Deadline) -> int:
+        return (await self._find_coordinators([transactional_id], dl))[transactional_id]
+
+    async def _find_coordinators(self, ids: list[str], dl: Deadline) -> dict[str, int]:
         """Transaction coordinators of ``ids``: cached, else one batched FindCoordinator."""
         out = {tid: self._coordinators[tid] for tid in ids if tid in self._coordinators}
         unknown = [tid for tid in ids if tid not in out]
         if not unknown:
             return out
         if (self._link.max_version(_FIND_COORDINATOR) or 0) >= 4:  # KIP-699: Kafka 3.0+
-            response = await self._link.send(FindCoordinatorRequest(
+            response = await self._send(dl, FindCoordinatorRequest(
                 key_type=CoordinatorType.TRANSACTION.value, coordinator_keys=unknown,
                 min_version=4))
             answers = [(c.key, c) for c in response.coordinators]
         else:
             answers = []
             for tid in unknown:
-                answers.append((tid, await self._link.send(FindCoordinatorRequest(
+                answers.append((tid, await self._send(dl, FindCoordinatorRequest(
                     key=tid, key_type=CoordinatorType.TRANSACTION.value, max_version=3))))
         for tid, answer in answers:
             # Raises the answer's error (kafka-python's exception types; see _with_retries).
@@ -351,9 +361,10 @@ class ControlPlane:
         """Drop a cached coordinator after NOT_COORDINATOR so the retry looks it up again."""
         self._coordinators.pop(transactional_id, None)
 
-    async def _with_retries(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
-        """Run ``attempt`` until it succeeds, raises a non-retriable error, or time is up."""
-        deadline = time.monotonic() + self._timeout_s
+    async def _with_retries(self, what: str, attempt: Callable[[], Awaitable[T]],
+                            dl: Deadline) -> T:
+        """Run ``attempt`` until it succeeds, raises a non-retriable error, or ``dl`` passes."""
+        deadline = dl.at
         delay = 0.05
         while True:
             try:
@@ -368,8 +379,10 @@ class ControlPlane:
             except (RetriableKafkaError, kafka_errors.NodeNotReadyError,
                     kafka_errors.KafkaConnectionError) as exc:
                 if time.monotonic() + delay > deadline:
-                    raise RetriableError(
-                        f"{what}: still failing after {self._timeout_s:g} s: {exc}") from exc
+                    error = (RetriableError if isinstance(exc, RetriableKafkaError)
+                             else BrokerUnreachableError)
+                    raise error(f"{what}: Kafka at {self._servers} still failing after "
+                                f"{dl.budget_s:.3g} s: {exc}") from exc
                 if not isinstance(exc, RetriableKafkaError):
                     # A broker went away: leaders and coordinators may have moved (a dead
                     # coordinator, still cached, would be asked until the deadline).
@@ -392,18 +405,19 @@ class ControlPlane:
         # Not KafkaAdminClient.describe_transactions: it fails the whole batch when one id is
         # unknown (here: absent) and never forgets a coordinator after NOT_COORDINATOR.
         ids = list(dict.fromkeys(transactional_ids))
-        return self._run(self._describe_transactions, ids) if ids else {}
+        return self._run(self._describe_transactions, ids, self._deadline()) if ids else {}
 
-    async def _describe_transactions(self, ids: list[str]) -> dict[str, TransactionDescription]:
+    async def _describe_transactions(self, ids: list[str], dl: Deadline
+                                     ) -> dict[str, TransactionDescription]:
         async def attempt() -> dict[str, TransactionDescription]:
-            coordinators = await self._find_coordinators(ids)
+            coordinators = await self._find_coordinators(ids, dl)
             by_node: dict[int, list[str]] = defaultdict(list)
             for tid, node in coordinators.items():
                 by_node[node].append(tid)
             out: dict[str, TransactionDescription] = {}
             for node, tids in by_node.items():
-                response = await self._link.send(
-                    DescribeTransactionsRequest(transactional_ids=tids), node)
+                response = await self._send(
+                    dl, DescribeTransactionsRequest(transactional_ids=tids), node)
                 for txn in response.transaction_states:
                     if txn.error_code == _TRANSACTIONAL_ID_NOT_FOUND:
                         continue
@@ -425,7 +439,7 @@ class ControlPlane:
                     )
             return out
 
-        return await self._with_retries("DescribeTransactions", attempt)
+        return await self._with_retries("DescribeTransactions", attempt, dl)
 
     # -- ListTransactions ----------------------------------------------------------------------
 
@@ -442,7 +456,7 @@ class ControlPlane:
         Kafka 4.1+) and always applied client-side as well.
         """
         # Fresh broker list first: every broker holds a slice of __transaction_state.
-        self._run(self._link.bootstrap, int(self._timeout_s * 1000))
+        self._run(self._link.bootstrap, int(self._deadline().wait_s() * 1000))
         pattern = None
         # The pattern is ListTransactions v2 (KIP-1152, Kafka 4.1+); 3.9 and 4.0 offer v1, where
         # kafka-python refuses a pattern (UNSUPPORTED_VERSION): filter on the client alone.
@@ -506,12 +520,12 @@ class ControlPlane:
         # Not KafkaAdminClient.describe_producers: it asks for metadata on every call, where
         # recovery calls this per chunk and per id; leaders are cached here instead.
         parts = sorted(set(partitions))
-        return self._run(self._describe_producers, parts) if parts else {}
+        return self._run(self._describe_producers, parts, self._deadline()) if parts else {}
 
-    async def _find_leaders(self, parts: list[TopicPartition]) -> None:
+    async def _find_leaders(self, parts: list[TopicPartition], dl: Deadline) -> None:
         """Look up the leaders of ``parts`` (one Metadata request) into the leader cache."""
         topics = sorted({p.topic for p in parts})
-        response = await self._link.send(MetadataRequest(
+        response = await self._send(dl, MetadataRequest(
             topics=[MetadataRequest.MetadataRequestTopic(name=t) for t in topics],
             allow_auto_topic_creation=False))
         wanted = set(parts)
@@ -526,12 +540,12 @@ class ControlPlane:
                            + ", ".join(str(p) for p in sorted(wanted)))
 
     async def _describe_producers(
-        self, parts: list[TopicPartition]
+        self, parts: list[TopicPartition], dl: Deadline
     ) -> dict[TopicPartition, list[ActiveProducer]]:
         async def attempt() -> dict[TopicPartition, list[ActiveProducer]]:
             unknown = [p for p in parts if p not in self._leaders]
             if unknown:
-                await self._find_leaders(unknown)
+                await self._find_leaders(unknown, dl)
             leaders: dict[int, list[TopicPartition]] = defaultdict(list)
             for p in parts:
                 leaders[self._leaders[p]].append(p)
@@ -543,7 +557,7 @@ class ControlPlane:
                 request = DescribeProducersRequest(topics=[
                     DescribeProducersRequest.TopicRequest(name=t, partition_indexes=ps)
                     for t, ps in by_topic.items()])
-                response = await self._link.send(request, leader)
+                response = await self._send(dl, request, leader)
                 for topic in response.topics:
                     for part in topic.partitions:
                         tp_ = TopicPartition(topic.name, part.partition_index)
@@ -565,7 +579,7 @@ class ControlPlane:
                         ]
             return out
 
-        return await self._with_retries("DescribeProducers", attempt)
+        return await self._with_retries("DescribeProducers", attempt, dl)
 
     # -- EndTxn --------------------------------------------------------------------------------
 
@@ -584,15 +598,16 @@ class ControlPlane:
         what = (f"EndTxn({verb}) transactional_id={transactional_id} producer_id={producer_id} "
                 f"epoch={epoch}")
         log.info("%s", what)
-        self._run(self._end_transaction, transactional_id, producer_id, epoch, commit, what)
+        self._run(self._end_transaction, transactional_id, producer_id, epoch, commit, what,
+                  self._deadline())
 
     async def _end_transaction(self, tid: str, pid: int, epoch: int, commit: bool,
-                               what: str) -> None:
+                               what: str, dl: Deadline) -> None:
         async def attempt() -> None:
-            node = await self._coordinator(tid)
+            node = await self._coordinator(tid, dl)
             request = end_txn_request(tid, pid, epoch, commit, _END_TXN_TV1_MAX_VERSION)
             try:
-                response = await self._link.send(request, node)
+                response = await self._send(dl, request, node)
             except (kafka_errors.KafkaTimeoutError, kafka_errors.RequestTimedOutError,
                     kafka_errors.KafkaConnectionError) as exc:
                 if commit:
@@ -605,7 +620,7 @@ class ControlPlane:
             # CONCURRENT_TRANSACTIONS while the previous marker write completes: retriable.
             raise_for_code(response.error_code, what)
 
-        await self._with_retries(what, attempt)
+        await self._with_retries(what, attempt, dl)
 
     # -- InitProducerId ------------------------------------------------------------------------
 
@@ -618,24 +633,25 @@ class ControlPlane:
         """
         log.warning("fencing transactional_id=%s (aborts its open transaction)", transactional_id)
         identity = self._run(self._init_producer_id, transactional_id, transaction_timeout_ms,
-                             None, False, False)
+                             None, False, False, self._deadline())
         log.info("fenced transactional_id=%s producer_id=%d epoch=%d", transactional_id,
                  identity.producer_id, identity.epoch)
         return identity
 
     async def _init_producer_id(self, tid: str, timeout_ms: int, version: int | None,
-                                enable_2pc: bool, keep_prepared: bool) -> ProducerIdentity:
+                                enable_2pc: bool, keep_prepared: bool, dl: Deadline
+                                ) -> ProducerIdentity:
         async def attempt() -> ProducerIdentity:
-            node = await self._coordinator(tid)
+            node = await self._coordinator(tid, dl)
             request = init_producer_id_request(tid, timeout_ms, version, enable_2pc,
                                                keep_prepared)
-            response = await self._link.send(request, node)
+            response = await self._send(dl, request, node)
             if response.error_code in (_NOT_COORDINATOR, _COORDINATOR_NOT_AVAILABLE):
                 self._forget_coordinator(tid)
             raise_for_code(response.error_code, f"InitProducerId({tid!r})")
             return ProducerIdentity(response.producer_id, response.producer_epoch)
 
-        return await self._with_retries(f"InitProducerId({tid!r})", attempt)
+        return await self._with_retries(f"InitProducerId({tid!r})", attempt, dl)
 
     # -- probe ---------------------------------------------------------------------------------
 
@@ -647,7 +663,7 @@ class ControlPlane:
         application uses: it is fenced in the process) to learn whether Enable2Pc and
         KeepPreparedTxn are accepted.
         """
-        brokers = self._run(self._probe_brokers)
+        brokers = self._run(self._probe_brokers, self._deadline())
         brokers = [replace(b, software=self._broker_software(b.node_id)) for b in brokers]
         ipid = min((b.api_versions[_INIT_PRODUCER_ID].max_version for b in brokers
                     if _INIT_PRODUCER_ID in b.api_versions), default=None)
@@ -680,7 +696,7 @@ class ControlPlane:
                             ) -> ProducerIdentity:
         """Send InitProducerId v6 (KIP-939) as is; raises the broker's error if it refuses."""
         return self._run(self._init_producer_id, transactional_id, transaction_timeout_ms, 6,
-                         enable_2pc, keep_prepared_txn)
+                         enable_2pc, keep_prepared_txn, self._deadline())
 
     def _try_init_v6(self, tid: str, enable_2pc: bool, keep: bool) -> str:
         try:
@@ -690,15 +706,15 @@ class ControlPlane:
             return f"rejected: {info.name if info else exc}"
         return f"accepted (producer_id={ident.producer_id}, epoch={ident.epoch})"
 
-    async def _probe_brokers(self) -> list[BrokerProbe]:
+    async def _probe_brokers(self, dl: Deadline) -> list[BrokerProbe]:
         """The brokers that answer ApiVersions; one that is down is left out (a cluster with a
         broker away still serves transactions), and None answering is BrokerUnreachableError."""
-        await self._link.bootstrap(int(self._timeout_s * 1000))
+        await self._link.bootstrap(int(dl.wait_s() * 1000))
         out: list[BrokerProbe] = []
         unreachable: list[str] = []
         for node in self._link.broker_ids():
             try:
-                response = await self._link.send(ApiVersionsRequest(
+                response = await self._send(dl, ApiVersionsRequest(
                     client_software_name="dualwrite", client_software_version="0.1.0"), node)
             except (kafka_errors.KafkaConnectionError, kafka_errors.NodeNotReadyError,
                     kafka_errors.KafkaTimeoutError, kafka_errors.RequestTimedOutError) as exc:

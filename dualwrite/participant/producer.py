@@ -16,6 +16,8 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
+from dualwrite.deadline import bounded
+from dualwrite.deadline import wait_s as within
 from dualwrite.errors import (
     ConfigurationError,
     DeliveryTimeoutError,
@@ -84,6 +86,9 @@ class TwoPhaseProducer:
                                      "in its configuration")
         self._tid = tid
         self._timeout_s = timeout_s = check_timeout(timeout_s)
+        """Each wait's own bound; a caller's :func:`~dualwrite.deadline.deadline_scope` can
+        only shorten it (its waits then share one deadline)."""
+        self._servers = str(config.get("bootstrap.servers", "?"))
         self._owns_cp = control_plane is None
         self._cp = control_plane or ControlPlane(config, timeout_s=timeout_s)
         self._config = librdkafka_config(config)
@@ -223,17 +228,25 @@ class TwoPhaseProducer:
         self._start_librdkafka()
 
     def _start_librdkafka(self) -> None:
+        producer: Producer | None
         try:
             producer = Producer(self._config)
         except (KafkaException, TypeError, ValueError) as exc:
             cause = exc.args[0].str() if isinstance(exc, KafkaException) else str(exc)
             raise ConfigurationError(f"the Kafka configuration of {self._tid!r} is not valid: "
                                      f"{cause}") from None
+        assert producer is not None
+        wait = within(self._timeout_s)
         try:
-            producer.init_transactions(self._timeout_s)
+            producer.init_transactions(wait)
         except KafkaException as exc:
-            raise librdkafka_error(
-                exc, f"init_transactions (InitProducerId) transactional_id={self._tid}") from exc
+            error = librdkafka_error(
+                exc, f"init_transactions (InitProducerId) transactional_id={self._tid} with Kafka "
+                f"at {self._servers} (waited {wait:.3g} s)")
+            # Destroy the handle now: kept alive by this frame (the traceback holds it), it
+            # would go on sending InitProducerId in the background once the broker is back.
+            producer = None
+            raise error from exc
         self._producer = producer
         desc = self._cp.describe_transaction(self._tid)
         if desc is None:
@@ -386,12 +399,22 @@ class TwoPhaseProducer:
         """Produce, waiting for deliveries to drain while librdkafka's local queue is full."""
         assert self._producer is not None
         extra.setdefault("on_delivery", self._delivered)
+        deadline = bounded(self._timeout_s)
         while True:
             try:
                 self._producer.produce(topic, value, key, **extra)
                 return
             except BufferError:
+                if deadline.expired:
+                    raise self._queue_full() from None
                 self._producer.poll(0.1)
+
+    def _queue_full(self) -> DeliveryTimeoutError:
+        self._phase = _Phase.FAILED
+        self._unconfirmed = True
+        return DeliveryTimeoutError(
+            f"librdkafka's queue stayed full for {self._timeout_s:g} s: Kafka at {self._servers} "
+            f"is not taking records; abort_transaction() and retry ({self._ids()})")
 
     def produce_many(self, topic: str, records: Iterable[tuple[bytes | None, bytes | None]]
                      ) -> int:
@@ -413,11 +436,15 @@ class TwoPhaseProducer:
         key = value = None
         try:
             for key, value in records:
+                deadline = None
                 while True:
                     try:
                         produce(topic, value, key, on_delivery=delivered)
                         break
                     except BufferError:
+                        deadline = deadline or bounded(self._timeout_s)
+                        if deadline.expired:
+                            raise self._queue_full() from None
                         poll(0.1)  # local queue full: let deliveries drain
                 count += 1
                 if count & 1023 == 0:
@@ -454,7 +481,7 @@ class TwoPhaseProducer:
         self._require(_Phase.IN_TRANSACTION, verb="prepare_transaction")
         assert self._producer is not None
         self._unconfirmed = True  # until every record is acknowledged
-        wait_s = self._timeout_s if timeout_s is None else timeout_s
+        wait_s = within(self._timeout_s if timeout_s is None else timeout_s)
         try:
             remaining = self._flush(wait_s, stall_s)
         except (KafkaException, SystemError) as exc:
@@ -464,9 +491,9 @@ class TwoPhaseProducer:
         if remaining:
             self._phase = _Phase.FAILED
             stalled = f", or none acknowledged for {stall_s:g} s" if stall_s else ""
-            raise DeliveryTimeoutError(f"{remaining} records not delivered within {wait_s:g} s"
-                                       f"{stalled}; abort_transaction() and retry "
-                                       f"({self._ids()})")
+            raise DeliveryTimeoutError(f"{remaining} records not delivered to Kafka at "
+                                       f"{self._servers} within {wait_s:.3g} s{stalled}; "
+                                       f"abort_transaction() and retry ({self._ids()})")
         if self._delivery_errors:
             self._phase = _Phase.FAILED
             for topic, partition, err, _ in self._delivery_errors:
@@ -587,7 +614,8 @@ class TwoPhaseProducer:
             log.warning("commit failed for %s (%s); asking the coordinator", self._ids(),
                         exc.args[0])
             if state.is_empty:
-                raise librdkafka_error(exc, "commit_transaction") from exc
+                raise librdkafka_error(exc, f"commit_transaction with Kafka at {self._servers}"
+                                       ) from exc
             self._resolve_failed_commit(state, exc)
         else:
             self._phase = _Phase.READY
@@ -629,16 +657,16 @@ class TwoPhaseProducer:
 
     def _commit_with_retries(self) -> None:
         assert self._producer is not None
-        deadline = time.monotonic() + self._timeout_s
+        deadline = bounded(self._timeout_s)
         while True:
             try:
-                self._producer.commit_transaction(self._timeout_s)
+                self._producer.commit_transaction(deadline.wait_s())
                 return
             except KafkaException as exc:
                 err: KafkaError = exc.args[0]
                 # librdkafka: a retriable commit error means "call commit again".
                 if (err.retriable() and not err.txn_requires_abort() and not err.fatal()
-                        and time.monotonic() < deadline):
+                        and not deadline.expired):
                     log.warning("commit of %s retrying after %s", self._ids(), err)
                     time.sleep(0.05)
                     continue
@@ -699,10 +727,11 @@ class TwoPhaseProducer:
             return
         troubles = self._troubles_so_far()
         try:
-            self._producer.abort_transaction(self._timeout_s)
+            self._producer.abort_transaction(within(self._timeout_s))
         except KafkaException as exc:
             self._phase = _Phase.FAILED
-            raise librdkafka_error(exc, "abort_transaction") from exc
+            raise librdkafka_error(exc, f"abort_transaction with Kafka at {self._servers}"
+                                   ) from exc
         self._phase = _Phase.READY
         self._prepared = None
         log.info("aborted %s", self._ids())

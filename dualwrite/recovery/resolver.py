@@ -28,6 +28,7 @@ from dualwrite.batch.coordinator import BatchCoordinator
 from dualwrite.batch.decision_log import DecisionLog, SinkRecord, check_sink_id
 from dualwrite.batch.naming import pool_pattern
 from dualwrite.database import create_engine, transaction
+from dualwrite.deadline import deadline_scope
 from dualwrite.errors import (
     BatchHeuristicAbortError,
     BrokerUnreachableError,
@@ -171,11 +172,14 @@ class RecoveryRun:
         per chunk). Fills ``stored`` with each id's state text as read, for the chunk's failure
         report."""
         results: dict[str, RecoveryResult | None] = {}
-        claimed = self._store.claim(ids, connection=lease_conn)
+        # A row held by an orphaned session (idle in transaction): LockTimeoutError after
+        # timeout_s, not a wait without end.
+        claimed = self._store.claim(ids, connection=lease_conn, timeout_s=self._timeout_s)
         with transaction(self._engine, connection=lease_conn) as conn:
             self._leases.verify_session(conn, lease_pid)
             states: dict[str, PreparedTxnState] = {}
-            for tid, row in self._store.lock_rows(conn, ids).items():
+            rows = self._store.lock_rows(conn, ids, timeout_s=self._timeout_s)
+            for tid, row in rows.items():
                 text = stored[tid] = row.prepared_txn_state
                 if row.fencing_generation != claimed[tid]:
                     results[tid] = RecoveryResult(
@@ -369,15 +373,17 @@ def recover(engine: Engine | str, kafka_config: Mapping[str, Any],
     started = time.monotonic()
     kafka_config = check_kafka_config(kafka_config)  # bad input fails before any work
     engine = create_engine(engine) if isinstance(engine, str) else engine
-    if transactional_ids is None:
-        ids = [r.transactional_id for r in StateStore(engine).read_all()]
-    else:
-        ids = list(dict.fromkeys(transactional_ids))
-    sinks = _sinks_to_recover(engine, transactional_ids, sink_ids)
+    with deadline_scope(timeout_s):  # the start: an unreachable side fails it within timeout_s
+        if transactional_ids is None:
+            ids = [r.transactional_id for r in StateStore(engine).read_all()]
+        else:
+            ids = list(dict.fromkeys(transactional_ids))
+        sinks = _sinks_to_recover(engine, transactional_ids, sink_ids)
+        cp = ControlPlane(kafka_config, timeout_s=timeout_s) if ids or sinks else None
     results: list[RecoveryResult] = []
     sink_results: list[SinkRecoveryResult] = []
-    if ids or sinks:
-        with ControlPlane(kafka_config, timeout_s=timeout_s) as cp:
+    if cp is not None:
+        with cp:
             run = RecoveryRun(engine, cp, kafka_config, acknowledge_heuristic=acknowledge_heuristic,
                               timeout_s=timeout_s, parallelism=parallelism)
             results, sink_results = run.run(ids, sinks, progress)
@@ -408,6 +414,12 @@ def status(engine: Engine | str, kafka_config: Mapping[str, Any], *,
     """
     kafka_config = check_kafka_config(kafka_config)  # bad input fails before any work
     engine = create_engine(engine) if isinstance(engine, str) else engine
+    with deadline_scope(timeout_s):
+        return _status(engine, kafka_config, prefix, timeout_s)
+
+
+def _status(engine: Engine, kafka_config: Mapping[str, Any], prefix: str | None,
+            timeout_s: float) -> reports.StatusReport:
     rows: list[StateRow] = StateStore(engine).read_all()
     decisions = DecisionLog(engine)
     records = decisions.read_all() if decisions.has_tables() else []

@@ -16,6 +16,7 @@ session and a lock first ("The lease under session loss").
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import threading
 import time
@@ -27,7 +28,8 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
-from dualwrite.database import create_engine, database_error
+from dualwrite.database import bounded_wait, create_engine, database_error
+from dualwrite.deadline import MARGIN_S, Deadline, current_deadline, deadline_scope
 from dualwrite.errors import (
     ConfigurationError,
     DatabaseUnreachableError,
@@ -304,6 +306,8 @@ class DualWriter:
         self._take_over = take_over
         self._started = False
         """Whether this writer's first session started (the lease check is done)."""
+        self._budget_left = timeout_s
+        """What is left of the running transaction's deadline while its block runs."""
 
     @property
     def transactional_id(self) -> str:
@@ -318,9 +322,10 @@ class DualWriter:
             # creates the row, so that recovery, which visits state rows, finds a crash in the
             # very first transaction too. A pooler that would make the lease meaningless is
             # refused first (Leases.check_sessions).
-            self._leases.check_sessions()
-            self._claim()
-            producer = TwoPhaseProducer(self._config, timeout_s=self._timeout_s)
+            with deadline_scope(self._timeout_s):  # inside transaction(): its deadline
+                self._leases.check_sessions()
+                self._claim()
+                producer = TwoPhaseProducer(self._config, timeout_s=self._timeout_s)
             producer.init_transactions(keep_prepared_txn=True)
             self._producer = producer
             self._started = True
@@ -365,6 +370,10 @@ class DualWriter:
 
     def close(self) -> None:
         """Stop; after a clean run the state row is cleared so the next start needs no check."""
+        with deadline_scope(self._timeout_s):
+            self._close()
+
+    def _close(self) -> None:
         producer, self._producer = self._producer, None
         if producer is not None:
             last = producer.last_committed
@@ -487,7 +496,8 @@ class DualWriter:
         if conn is None or lease is None:
             return "lost"
         try:
-            with conn.own_use():
+            # Bounded on the helper thread too: a silent peer must not hold the next transaction.
+            with conn.own_use(), deadline_scope(self._timeout_s):
                 stored, backend_pid = self._store.generation_on(conn, self._tid)
         except DualWriteError as exc:
             log.info("transactional_id=%s: checking the lease's session failed (%s)", self._tid,
@@ -527,24 +537,28 @@ class DualWriter:
 
     def _transaction(self) -> Generator[DualWriteTransaction, None, None]:
         """:meth:`transaction`'s protocol, once it is known to be the only one open."""
-        if self._producer is not None and self._producer.has_open_transaction:
-            # The last transaction could not be ended (its abort or commit failed): a new
-            # session finishes it from the stored state, as after a restart.
-            self._close_producer()
-        late = self._lease_intact()
-        producer = self.producer
-        if late and producer.ready:
-            producer.begin_transaction()
-            tx = DualWriteTransaction(None, producer, self._lock_late)
-        else:
-            conn, producer = self._lock_and_settle(producer)
-            try:
-                self._hooks.locked()
+        # One deadline for dualwrite's own waits (dualwrite.deadline), paused while the block
+        # runs: the application's own time is not dualwrite's to bound.
+        with deadline_scope(self._timeout_s) as deadline:
+            if self._producer is not None and self._producer.has_open_transaction:
+                # The last transaction could not be ended (its abort or commit failed): a new
+                # session finishes it from the stored state, as after a restart.
+                self._close_producer()
+            late = self._lease_intact()
+            producer = self.producer
+            if late and producer.ready:
                 producer.begin_transaction()
-            except BaseException:
-                self._rollback(conn)
-                raise
-            tx = DualWriteTransaction(conn, producer)
+                tx = DualWriteTransaction(None, producer, self._lock_late)
+            else:
+                conn, producer = self._lock_and_settle(producer)
+                try:
+                    self._hooks.locked()
+                    producer.begin_transaction()
+                except BaseException:
+                    self._rollback(conn)
+                    raise
+                tx = DualWriteTransaction(conn, producer)
+        self._budget_left = deadline.left()
         try:
             self._hooks.kafka_begun()
             try:
@@ -555,32 +569,36 @@ class DualWriter:
                 raise TransactionStateError(
                     f"transactional_id={self._tid}: the block misused tx.connection and was "
                     f"abandoned; nothing of it committed ({tx.misuse})") from tx.misuse
-            conn = tx.lock()  # takes the deferred lock if the block did not
-            _, producer = tx.bound()
-            state = self._flush(tx, producer)
-            tx.state = state
-            self._hooks.prepared(state)
-            verify = self._needs_verification(producer)
-            if verify:
-                # The coordinator round trip overlaps the state-row write.
-                verified = self._helper.submit(self._verify, producer, state)
-                self._store.write(conn, self._tid, str(state))
-                verified.result()
+            with self._resumed_deadline():
+                conn = tx.lock()  # takes the deferred lock if the block did not
+                _, producer = tx.bound()
+                state = self._flush(tx, producer)
+                tx.state = state
+                self._hooks.prepared(state)
+                verify = self._needs_verification(producer)
+                if verify:
+                    # The coordinator round trip overlaps the state-row write.
+                    verified = self._helper.submit(contextvars.copy_context().run,
+                                                   self._verify, producer, state)
+                    self._store.write(conn, self._tid, str(state))
+                    verified.result()
         except BaseException as exc:
             tx.end()  # (a hook may fail before the block ran)
             held, producer = tx.bound()
-            if tx.misuse is not None:
-                self._discard_connection()
-            elif held is not None:
-                self._rollback(held)
-            self._abort_quietly(producer)
+            with self._resumed_deadline():
+                if tx.misuse is not None:
+                    self._discard_connection()
+                elif held is not None:
+                    self._rollback(held)
+                self._abort_quietly(producer)
             lost = self._database_lost(exc)
             if lost is not None:
                 self._drop_connection()
                 raise lost from exc
             raise
         try:
-            self._decide(conn, producer, state, state_written=verify)
+            with self._resumed_deadline():
+                self._decide(conn, producer, state, state_written=verify)
         except BaseException:
             self._drop_connection()  # after a failure mid-commit its state is not known
             # Commit failures can start a new producer session: claim again before the next.
@@ -593,6 +611,16 @@ class DualWriter:
             # it costs the next transaction nothing if the application pauses in between.
             self._lease_check = self._helper.submit(self._check_lease)
         self._hooks.kafka_committed(state)
+
+    @contextmanager
+    def _resumed_deadline(self) -> Iterator[Deadline]:
+        """The running transaction's deadline, resumed where its block paused it."""
+        with deadline_scope(Deadline(time.monotonic() + self._budget_left,
+                                     self._timeout_s)) as deadline:
+            try:
+                yield deadline
+            finally:
+                self._budget_left = deadline.left()
 
     def _flush(self, tx: DualWriteTransaction, producer: TwoPhaseProducer) -> PreparedTxnState:
         """Flush; if no record is acknowledged for half the timeout (a leader election, a
@@ -640,6 +668,11 @@ class DualWriter:
         ``producer`` runs the transaction, ``sent`` are the records it produced so far. Returns
         the connection holding the lock and the producer to go on with.
         """
+        with self._resumed_deadline():
+            return self._lock_late_within(producer, sent)
+
+    def _lock_late_within(self, producer: TwoPhaseProducer, sent: Sequence[_Record]
+                          ) -> tuple[GuardedConnection, TwoPhaseProducer]:
         self._hooks.before_late_lock(len(sent))
         conn, row = self._begin_and_lock()
         if (row.fencing_generation == self._generation
@@ -822,7 +855,8 @@ class DualWriter:
             except BaseException as exc:
                 self._drop_connection()
                 lost = isinstance(exc, DatabaseUnreachableError)
-                if attempt == 2 or not lost:
+                deadline = current_deadline()
+                if attempt == 2 or not lost or (deadline is not None and deadline.expired):
                     raise
                 log.info("database connection of transactional_id=%s was lost while idle; "
                          "reconnecting", self._tid)
@@ -831,8 +865,9 @@ class DualWriter:
     def _rollback(self, conn: Connection) -> None:
         """Roll back (freeing the row lock); a connection that cannot is dropped instead."""
         try:
-            conn.rollback()
-        except sa.exc.SQLAlchemyError:
+            with bounded_wait(conn, "ROLLBACK"):
+                conn.rollback()
+        except (sa.exc.SQLAlchemyError, DualWriteError):
             self._drop_connection()
 
     def _close_producer(self) -> None:
@@ -891,7 +926,8 @@ class DualWriter:
         """Commit the database (the decision), then Kafka; an unknown DB outcome is asked for."""
         try:
             if state_written:
-                conn.commit()
+                with bounded_wait(conn, "COMMIT"):
+                    conn.commit()
             else:  # the state row and the COMMIT in one round trip
                 self._store.write_and_commit(conn, self._tid, str(state))
         except TransactionStateError:
@@ -931,7 +967,16 @@ class DualWriter:
                 return False
             raise OutcomeUnknownError(f"{unknown}: the lock returned no transaction id to ask "
                                       "about; run `dualwrite recover`")
-        deadline = time.monotonic() + self._timeout_s
+        # Asked on a new connection, within what is left of the deadline; after a COMMIT that
+        # used it all, within the part of the documented margin kept for this question.
+        current = current_deadline()
+        left = self._timeout_s if current is None else current.left()
+        with deadline_scope(Deadline.after(max(left, MARGIN_S / 2)), past_outer=True) as asking:
+            return self._ask_outcome(locked, state, asking, unknown)
+
+    def _ask_outcome(self, locked: StateRow, state: PreparedTxnState, asking: Deadline,
+                     unknown: str) -> bool:
+        deadline = asking.at
         while True:
             try:
                 status = self._store.commit_status(locked, str(state))
@@ -950,7 +995,7 @@ class DualWriter:
                 return status == "committed"
             if status is None or time.monotonic() > deadline:
                 raise OutcomeUnknownError(
-                    f"{unknown}: the database reports transaction {xid} as "
+                    f"{unknown}: the database reports transaction {locked.locked_by_xid} as "
                     f"{status or 'unknown (too old, or run by a server it failed over from)'}; "
                     "the Kafka transaction stays open: run `dualwrite recover` once the "
                     "database transaction has ended (it decides by the state row)")

@@ -35,8 +35,9 @@ import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 from sqlalchemy.dialects import postgresql, sqlite
 
-from dualwrite.database import database_error, transaction, uses_begin_immediate
+from dualwrite.database import bounded_wait, database_error, transaction, uses_begin_immediate
 from dualwrite.database.schema import MAX_LENGTH, STATE_TABLE, TRANSACTION_STATE, state_table
+from dualwrite.deadline import MIN_WAIT_S, current_deadline, wait_s
 from dualwrite.errors import FatalError, TransactionStateError
 
 __all__ = ["MAX_LENGTH", "SERVER_IDENTITY", "StateRow", "StateStore", "writer_connection"]
@@ -99,6 +100,34 @@ def _check(name: str, value: str, *, allow_empty: bool) -> None:
 def _lock_timeout_sql(timeout_s: float) -> str:
     """Bounds this transaction's waits for locks (PostgreSQL's lock_timeout, in ms)."""
     return f"SET LOCAL lock_timeout = {max(1, int(timeout_s * 1000))}"
+
+
+def _statement_timeout_sql(lock_timeout_s: float) -> str:
+    """Bounds each statement of this transaction (PostgreSQL's statement_timeout, in ms), a
+    little past ``lock_timeout_s``: a wait for a row lock ends as lock_timeout
+    (LockTimeoutError), anything else the server is stuck on as statement_timeout."""
+    return f"SET LOCAL statement_timeout = {int(lock_timeout_s * 1000 * 1.1) + 1}"
+
+
+#: After dualwrite's lock, the application's statements of the same transaction run under the
+#: session's own settings again (SET LOCAL ... TO DEFAULT restores the session's value).
+_RESET_TIMEOUTS_SQL = ("SET LOCAL lock_timeout TO DEFAULT",
+                       "SET LOCAL statement_timeout TO DEFAULT")
+
+
+def _wait_bound(timeout_s: float | None) -> float | None:
+    """How long a lock may be waited for: ``timeout_s`` shortened by the current deadline
+    (:mod:`dualwrite.deadline`); None when neither bounds it. A little less than the deadline
+    itself, so that the server's lock_timeout (LockTimeoutError: another process holds the
+    row) answers before the client's guard gives the connection up (bounded_wait)."""
+    deadline = current_deadline()
+    if timeout_s is not None:
+        bound = wait_s(timeout_s)
+    elif deadline is not None:
+        bound = deadline.wait_s()
+    else:
+        return None
+    return max(MIN_WAIT_S, bound - min(0.3, bound / 10))
 
 
 def _utc(value: datetime) -> datetime:
@@ -235,11 +264,13 @@ class StateStore:
         _check("transactional_id", transactional_id, allow_empty=False)
         _require_transaction(conn, "lock")
         t, tid = self.table, transactional_id
+        timeout_s = _wait_bound(timeout_s)
         try:
             found: Any
             raw = _psycopg_connection(conn)
             if raw is not None:
-                found = self._lock_pipelined(conn, raw, tid, timeout_s)
+                with bounded_wait(conn, f"the lock of {tid!r}'s state row"):
+                    found = self._lock_pipelined(conn, raw, tid, timeout_s)
             elif conn.dialect.name == "postgresql":
                 if timeout_s is not None:
                     conn.exec_driver_sql(_lock_timeout_sql(timeout_s))
@@ -265,10 +296,11 @@ class StateStore:
                      row.prepared_txn_state, row.fencing_generation)
         return row
 
-    def lock_rows(self, conn: Connection, transactional_ids: Sequence[str]
-                  ) -> dict[str, StateRow]:
+    def lock_rows(self, conn: Connection, transactional_ids: Sequence[str], *,
+                  timeout_s: float | None = None) -> dict[str, StateRow]:
         """:meth:`lock_row` for many ids in one round trip (locked in id order); ids without a
-        row get one, as with :meth:`lock`."""
+        row get one, as with :meth:`lock`. ``timeout_s`` (and the current deadline) bound the
+        wait for another holder on PostgreSQL: :class:`~dualwrite.errors.LockTimeoutError`."""
         ids = sorted(set(transactional_ids))
         for tid in ids:
             _check("transactional_id", tid, allow_empty=False)
@@ -278,13 +310,19 @@ class StateStore:
                  .where(t.c.transactional_id.in_(ids)).order_by(t.c.transactional_id))
         if conn.dialect.name == "postgresql":
             query = query.with_for_update()  # rows are locked as the sorted scan returns them
+        timeout_s = _wait_bound(timeout_s)
         try:
-            found = {r[0]: _state_row(r) for r in conn.execute(query)} if ids else {}
+            if timeout_s is not None and ids and conn.dialect.name == "postgresql":
+                # A row held by an orphaned idle-in-transaction session: LockTimeoutError
+                # within the caller's deadline, not a wait without end.
+                conn.exec_driver_sql(_lock_timeout_sql(timeout_s))
+            with bounded_wait(conn, "the lock of state rows"):
+                found = {r[0]: _state_row(r) for r in conn.execute(query)} if ids else {}
         except sa.exc.SQLAlchemyError as exc:
             self._reraise(conn, exc)
         for tid in ids:
             if tid not in found:
-                found[tid] = self.lock_row(conn, tid)
+                found[tid] = self.lock_row(conn, tid, timeout_s=timeout_s)
         return found
 
     def write(self, conn: Connection, transactional_id: str, state: str) -> None:
@@ -299,7 +337,8 @@ class StateStore:
             .values(prepared_txn_state=state, updated_at=datetime.now(UTC))
         )
         try:
-            result = conn.execute(stmt)
+            with bounded_wait(conn, f"the write of {transactional_id!r}'s state row"):
+                result = conn.execute(stmt)
         except sa.exc.SQLAlchemyError as exc:
             self._reraise(conn, exc)
         if result.rowcount != 1:
@@ -320,7 +359,8 @@ class StateStore:
         if raw is None:
             self.write(conn, transactional_id, state)
             try:
-                conn.commit()
+                with bounded_wait(conn, "COMMIT"):
+                    conn.commit()
             except sa.exc.SQLAlchemyError as exc:
                 self._reraise(conn, exc)
             return
@@ -328,7 +368,8 @@ class StateStore:
         _check("state", state, allow_empty=True)
         _require_transaction(conn, "write_and_commit")
         try:
-            with _as_sqlalchemy_errors(conn, raw, self._pg_write_sql + "; COMMIT"):
+            with (bounded_wait(conn, "COMMIT"),
+                  _as_sqlalchemy_errors(conn, raw, self._pg_write_sql + "; COMMIT")):
                 with raw.pipeline():  # one Sync for both (raw.commit() would add its own)
                     cursor = raw.execute(self._pg_write_sql,
                                          (state, datetime.now(UTC), transactional_id))
@@ -359,7 +400,11 @@ class StateStore:
                     raw.execute(_begin_statement(raw))
                 if timeout_s is not None:
                     raw.execute(_lock_timeout_sql(timeout_s))
+                    raw.execute(_statement_timeout_sql(timeout_s))
                 cursor = raw.execute(self._pg_lock_sql, (transactional_id, datetime.now(UTC)))
+                if timeout_s is not None:
+                    for reset in _RESET_TIMEOUTS_SQL:
+                        raw.execute(reset)
             row = cursor.fetchone()
         assert row is not None  # the upsert always returns its row
         return row
@@ -378,7 +423,8 @@ class StateStore:
                       .where(t.c.transactional_id == transactional_id).scalar_subquery())
         try:
             try:
-                found = conn.execute(sa.select(sa.func.pg_backend_pid(), generation)).one()
+                with bounded_wait(conn, "the lease check"):
+                    found = conn.execute(sa.select(sa.func.pg_backend_pid(), generation)).one()
             finally:
                 conn.rollback()  # ends SQLAlchemy's implicit transaction (none on a writer's)
         except sa.exc.SQLAlchemyError as exc:
@@ -442,8 +488,10 @@ class StateStore:
                 set_={"fencing_generation": t.c.fencing_generation + 1},
             ).returning(t.c.transactional_id, t.c.fencing_generation)
             try:
+                timeout_s = _wait_bound(timeout_s)
                 if timeout_s is not None and conn.dialect.name == "postgresql":
                     conn.exec_driver_sql(_lock_timeout_sql(timeout_s))
+                    conn.exec_driver_sql(_statement_timeout_sql(timeout_s))
                 claimed = {r[0]: int(r[1]) for r in conn.execute(stmt)}
             except sa.exc.SQLAlchemyError as exc:
                 self._reraise(conn, exc)
