@@ -383,8 +383,10 @@ def test_late_recovery_endtxn_cannot_end_a_lock_first_writers_next_transaction(
     holder.commit()
     assert other is not None
     at_gate, gate = threading.Event(), threading.Event()
+    # take_over: a writer may not start on an id whose lease another live process holds,
+    # unless told to (it then fences that process and locks first, the path under test).
     writer = DualWriter(pg_url, _config(cluster, **{"linger.ms": 0}), transactional_id=tid,
-                        timeout_s=15)
+                        timeout_s=15, take_over=True)
     try:
         _write(writer, topic, "t0")
         real_commit = writer.producer.commit_transaction
