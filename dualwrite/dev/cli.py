@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import click
 
@@ -34,16 +35,23 @@ def postgres_state_file() -> Path:
     return dualwrite_home() / "dev" / "postgres.json"
 
 
-def _load_postgres() -> LocalPostgres | None:
-    path = postgres_state_file()
+_Handle = TypeVar("_Handle")
+
+
+def _load_state(path: Path, load: Callable[[Path], _Handle], what: str) -> _Handle | None:
+    """The handle recorded in ``path`` by ``dev up``; None if nothing is recorded."""
     if not path.exists():
         return None
     try:
-        return LocalPostgres.from_state(path)
+        return load(path)
     except (ValueError, KeyError, TypeError) as e:
         raise click.ClickException(
-            f"cannot read {path} ({e}); stop the server by hand and delete the file"
+            f"cannot read {path} ({e}); stop the {what} by hand and delete the file"
         ) from e
+
+
+def _load_postgres() -> LocalPostgres | None:
+    return _load_state(postgres_state_file(), LocalPostgres.from_state, "server")
 
 
 def _parse_topic(value: str) -> tuple[str, int]:
@@ -75,15 +83,7 @@ def _node_status(cluster: LocalKafkaCluster) -> list[dict[str, Any]]:
 
 
 def _load() -> LocalKafkaCluster | None:
-    path = state_file()
-    if not path.exists():
-        return None
-    try:
-        return LocalKafkaCluster.from_state(path)
-    except (ValueError, KeyError, TypeError) as e:
-        raise click.ClickException(
-            f"cannot read {path} ({e}); stop the brokers by hand and delete the file"
-        ) from e
+    return _load_state(state_file(), LocalKafkaCluster.from_state, "brokers")
 
 
 @click.group()

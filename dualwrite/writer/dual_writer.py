@@ -343,12 +343,7 @@ class DualWriter:
         wait_s = 0.0 if self._take_over else min(self._timeout_s, _LEASE_WAIT_S)
         deadline = time.monotonic() + wait_s
         while True:
-            if self._conn is None:
-                conn = writer_connection(self._engine, GuardedConnection)
-                assert isinstance(conn, GuardedConnection)
-                self._conn = conn
-            conn = self._conn
-            conn.reclaim()
+            conn = self._own_connection()
             try:
                 held = self._take_lease(conn)
             finally:
@@ -824,6 +819,15 @@ class DualWriter:
                              f"{_CLAIM_ATTEMPTS} times in a row; is another writer or recovery "
                              "running for it?")
 
+    def _own_connection(self) -> GuardedConnection:
+        """The writer's connection (opened if there is none), back in the writer's hands."""
+        if self._conn is None:
+            conn = writer_connection(self._engine, GuardedConnection)
+            assert isinstance(conn, GuardedConnection)
+            self._conn = conn
+        self._conn.reclaim()
+        return self._conn
+
     def _begin_and_lock(self) -> tuple[GuardedConnection, StateRow]:
         """Begin on the writer's connection and lock the state row.
 
@@ -831,12 +835,7 @@ class DualWriter:
         while idle is replaced once: nothing of the transaction has happened yet.
         """
         for attempt in (1, 2):
-            if self._conn is None:
-                conn = writer_connection(self._engine, GuardedConnection)
-                assert isinstance(conn, GuardedConnection)
-                self._conn = conn
-            conn = self._conn
-            conn.reclaim()
+            conn = self._own_connection()
             try:
                 try:
                     conn.begin()

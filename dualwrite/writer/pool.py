@@ -218,7 +218,24 @@ class _Slot:
         now be another process's, so this pool stops using it."""
 
 
-class GroupedTransaction:
+class _RecordBuffer:
+    """A request's records, kept until its block has ended without an exception."""
+
+    def __init__(self) -> None:
+        self._records: list[_Record] = []
+
+    def produce(self, topic: str, value: bytes | str | None = None,
+                key: bytes | str | None = None, *, partition: int | None = None,
+                headers: Headers | None = None) -> None:
+        """Add a record to this request; it becomes visible iff the request's rows commit."""
+        self._records.append((topic, value, key, partition, headers))
+
+    def records(self) -> tuple[_Record, ...]:
+        """The records produced so far, in order."""
+        return tuple(self._records)
+
+
+class GroupedTransaction(_RecordBuffer):
     """The handle of one request of a group commit: the same calls as
     :class:`~dualwrite.writer.DualWriteTransaction` (``connection``, ``produce``, ``records``,
     ``state``).
@@ -230,8 +247,8 @@ class GroupedTransaction:
     """
 
     def __init__(self, connection: Connection) -> None:
+        super().__init__()
         self._connection = connection
-        self._records: list[_Record] = []
         self.state: PreparedTxnState | None = None
         """The group's prepared state, once it committed."""
 
@@ -240,16 +257,6 @@ class GroupedTransaction:
         """The SQLAlchemy connection of the group's database transaction (this request's
         savepoint); write your rows with it."""
         return self._connection
-
-    def produce(self, topic: str, value: bytes | str | None = None,
-                key: bytes | str | None = None, *, partition: int | None = None,
-                headers: Headers | None = None) -> None:
-        """Add a record to this request; it becomes visible iff the request's rows commit."""
-        self._records.append((topic, value, key, partition, headers))
-
-    def records(self) -> tuple[_Record, ...]:
-        """The records produced so far, in order."""
-        return tuple(self._records)
 
 
 class _Request:
@@ -885,24 +892,16 @@ def _buffered(result: sa.CursorResult[Any]) -> Any:
     return result.freeze()() if result.returns_rows else result
 
 
-class AsyncTransaction:
+class AsyncTransaction(_RecordBuffer):
     """The handle of ``AsyncDualWriterPool.transaction()``: ``await tx.connection.execute(...)``
     and ``tx.produce(...)`` (kept, and produced once the block ended without an exception)."""
 
     def __init__(self, run: Callable[[Callable[[Connection], Any]], Any]) -> None:
+        super().__init__()
         self.connection = AsyncConnection(run)
-        self._records: list[_Record] = []
         self.state: PreparedTxnState | None = None
         """The prepared state of the transaction, once it committed."""
 
-    def produce(self, topic: str, value: bytes | str | None = None,
-                key: bytes | str | None = None, *, partition: int | None = None,
-                headers: Headers | None = None) -> None:
-        """Add a record; it becomes visible iff the request's rows commit."""
-        self._records.append((topic, value, key, partition, headers))
-
-    def records(self) -> tuple[_Record, ...]:
-        return tuple(self._records)
 
 
 class AsyncDualWriterPool:
