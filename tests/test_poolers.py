@@ -233,10 +233,13 @@ def test_a_writer_whose_session_a_pooler_moves_later_is_refused(
     back server sessions in between); then the first transaction that runs on another server
     session than the lease's is refused in the lock's round trip (fails without the check in
     DualWriter._begin_and_lock: the writer commits beside a lease it no longer runs on).
-    Staged deterministically: PgBouncer starts in session pooling (the check passes), is
-    switched to transaction pooling on its admin console, the writer's server session is
-    terminated (it reconnects, in transaction pooling, and takes its lease again), and another
-    client holds the lease's server session in a transaction."""
+    Staged: PgBouncer starts in session pooling (the check passes), is switched to transaction
+    pooling on its admin console, the writer's server session is terminated (it reconnects, in
+    transaction pooling, and takes its lease again), and another client holds the lease's server
+    session in a transaction. The writer may be refused earlier than that last step, as soon as
+    the pooler happens to run one of its transactions on another server session than its
+    lease's (its lease check after each commit runs a statement of its own): any of the three
+    writes after the switch may meet the refusal, and none may commit beside it."""
     direct = sa.make_url(postgres_url).set(database=database)
     with LocalPgBouncer(postgres_url, pool_mode="session") as bouncer:
         url = bouncer.url(database)
@@ -244,37 +247,39 @@ def test_a_writer_whose_session_a_pooler_moves_later_is_refused(
         admin = sa.create_engine(direct, isolation_level="AUTOCOMMIT")
         tid = f"{TID_PREFIX}moved-{uuid.uuid4().hex[:8]}"
         holders: list[Any] = []
+        committed = [1]
         try:
             with DualWriter(url, {"bootstrap.servers": bootstrap}, transactional_id=tid,
                             timeout_s=20) as writer:
                 _write_event(writer, topic, 1)
-                with psycopg.connect(dsn, autocommit=True) as console:
-                    console.execute("SET pool_mode = 'transaction'")
-                with admin.connect() as conn:
-                    conn.execute(sa.text(
-                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                        "WHERE datname = :db AND pid <> pg_backend_pid()"), {"db": database})
-                _write_event(writer, topic, 2)  # reconnected (in transaction pooling) ...
-                _write_event(writer, topic, 3)  # ... and locked first: the lease again
-                with admin.connect() as conn:
-                    lease_pid = conn.execute(sa.text(
-                        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
-                        "AND database = (SELECT oid FROM pg_database WHERE datname = :db)"),
-                        {"db": database}).scalar_one()
-                client = bouncer.url(database).replace("postgresql+psycopg://", "postgresql://")
-                while not any(pid == lease_pid for _, pid in holders):
-                    assert len(holders) < 20, "no client got the lease's server session"
-                    holder = psycopg.connect(client, prepare_threshold=None)
-                    row = holder.execute("SELECT pg_backend_pid()").fetchone()
-                    assert row is not None
-                    holders.append((holder, row[0]))  # its transaction stays open
-                with pytest.raises(FatalError) as refused:
+                with pytest.raises(FatalError) as refusal:
+                    with psycopg.connect(dsn, autocommit=True) as console:
+                        console.execute("SET pool_mode = 'transaction'")
+                    with admin.connect() as conn:
+                        conn.execute(sa.text(
+                            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                            "WHERE datname = :db AND pid <> pg_backend_pid()"), {"db": database})
+                    for txn in (2, 3):  # reconnected (in transaction pooling), locked first: the
+                        _write_event(writer, topic, txn)  # lease again
+                        committed.append(txn)
+                    with admin.connect() as conn:
+                        lease_pid = conn.execute(sa.text(
+                            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                            "AND database = (SELECT oid FROM pg_database WHERE datname = :db)"),
+                            {"db": database}).scalar_one()
+                    client = bouncer.url(database).replace("postgresql+psycopg://", "postgresql://")
+                    while not any(pid == lease_pid for _, pid in holders):
+                        assert len(holders) < 20, "no client got the lease's server session"
+                        holder = psycopg.connect(client, prepare_threshold=None)
+                        row = holder.execute("SELECT pg_backend_pid()").fetchone()
+                        assert row is not None
+                        holders.append((holder, row[0]))  # its transaction stays open
                     _write_event(writer, topic, 4)
         finally:
             for holder, _ in holders:
                 holder.close()
             admin.dispose()
-    assert "transaction" in str(refused.value) and "session pooling" in str(refused.value)
+    assert "transaction" in str(refusal.value) and "session pooling" in str(refusal.value)
     report = dualwrite.recover(direct.render_as_string(hide_password=False),
                                {"bootstrap.servers": bootstrap}, [tid], timeout_s=15)
     assert report.ok, report.as_dict()
@@ -285,7 +290,7 @@ def test_a_writer_whose_session_a_pooler_moves_later_is_refused(
     finally:
         engine.dispose()
     records = sorted(r.decode() for r in read_committed(bootstrap, topic))
-    assert rows == records == sorted(row_ids(1, ROWS) + row_ids(2, ROWS) + row_ids(3, ROWS))
+    assert rows == records == sorted(i for txn in committed for i in row_ids(txn, ROWS))
 
 
 def _write_event(writer: DualWriter, topic: str, txn: int) -> None:

@@ -342,6 +342,9 @@ def test_topic_not_even_visible_is_named(kafka_secured: LocalKafkaCluster, secur
     assert read_committed(kafka_secured.bootstrap_servers, app.topic) == [b"own-topic"]
 
 
+_GROUP_ACL_TRIES = 16
+
+
 def _anchor_check_without_group_acl(cluster: LocalKafkaCluster, topic: str,
                                     tmp_path: Path) -> str:
     """Recover a Kafka-committed transaction whose coordinator state is gone, as a principal
@@ -353,7 +356,7 @@ def _anchor_check_without_group_acl(cluster: LocalKafkaCluster, topic: str,
     app = _app(cluster, topic, drop="DESCRIBE GROUP")
     engine = _sqlite(tmp_path)
     try:
-        for attempt in range(8):
+        for attempt in range(_GROUP_ACL_TRIES):
             tid = f"{app.prefix}-c{attempt}"
             state = _prepare(app.config, tid, app.topic, b"c", commit=True)
             _bump_epoch(app.config, tid)
@@ -367,19 +370,16 @@ def _anchor_check_without_group_acl(cluster: LocalKafkaCluster, topic: str,
             assert result.outcome.value == "already-committed", report.as_dict()
     finally:
         engine.dispose()
-    raise AssertionError("the anchor check never met the missing group ACL in 8 tries")
+    raise AssertionError(f"the anchor check never met the missing group ACL in "
+                         f"{_GROUP_ACL_TRIES} tries")
 
 
-def test_missing_group_acl_fails_the_anchor_check(kafka_secured: LocalKafkaCluster,
-                                                  secured_topic: str, tmp_path: Path) -> None:
-    """The group ACL is needed: without it recovery cannot confirm a Kafka-side commit."""
+def test_missing_group_acl_fails_the_anchor_check_and_is_named(
+        kafka_secured: LocalKafkaCluster, secured_topic: str, tmp_path: Path) -> None:
+    """The group ACL is needed: without it recovery cannot confirm a Kafka-side commit, and the
+    failure names the ACL to grant."""
     detail = _anchor_check_without_group_acl(kafka_secured, secured_topic, tmp_path)
     assert "GROUP_AUTHORIZATION_FAILED" in detail
-
-
-def test_missing_describe_on_verify_group_is_named(kafka_secured: LocalKafkaCluster,
-                                                   secured_topic: str, tmp_path: Path) -> None:
-    detail = _anchor_check_without_group_acl(kafka_secured, secured_topic, tmp_path)
     assert "DESCRIBE on Group prefix 'dualwrite-verify-'" in detail
 
 
