@@ -197,10 +197,7 @@ def up(
     if server is not None:
         server.save_state(postgres_state_file())
     if as_json:
-        state = _json_state(cluster)
-        state["topics"] = [name for name, _ in wanted_topics]
-        state["database_url"] = server.url if server is not None else None
-        click.echo(json.dumps(state, indent=2))
+        _echo_json(cluster, wanted_topics, server)
         return
     click.echo(
         f"Kafka {kafka_version} ({brokers} broker(s), {cluster.backend} backend) is up at "
@@ -211,6 +208,19 @@ def up(
     _echo_security(cluster)
     if server is not None:
         click.echo(f"PostgreSQL ({server.backend} backend) is up at {server.url}")
+    _echo_exports(cluster, server)
+
+
+def _echo_json(cluster: LocalKafkaCluster, topics: list[tuple[str, int]],
+               server: LocalPostgres | None) -> None:
+    state = _json_state(cluster)
+    state["topics"] = [name for name, _ in topics]
+    state["database_url"] = server.url if server is not None else None
+    click.echo(json.dumps(state, indent=2))
+
+
+def _echo_exports(cluster: LocalKafkaCluster, server: LocalPostgres | None) -> None:
+    """The lines a shell evaluates: ``eval "$(dualwrite dev up … | grep '^export')"``."""
     click.echo(f"export DUALWRITE_BOOTSTRAP_SERVERS={_bootstrap(cluster)}")
     if server is not None:
         click.echo(f"export DUALWRITE_DATABASE_URL={server.url}")
@@ -241,16 +251,11 @@ def _reuse(cluster: LocalKafkaCluster, topics: list[tuple[str, int]], postgres: 
             raise click.ClickException(str(e)) from e
         server.save_state(postgres_state_file())
     if as_json:
-        state = _json_state(cluster)
-        state["topics"] = [name for name, _ in topics]
-        state["database_url"] = server.url if server is not None else None
-        click.echo(json.dumps(state, indent=2))
+        _echo_json(cluster, topics, server)
         return
     click.echo(f"Kafka {cluster.kafka_version} is already running at {_bootstrap(cluster)}")
     _echo_security(cluster)
-    click.echo(f"export DUALWRITE_BOOTSTRAP_SERVERS={_bootstrap(cluster)}")
-    if server is not None:
-        click.echo(f"export DUALWRITE_DATABASE_URL={server.url}")
+    _echo_exports(cluster, server)
 
 
 def _stop_stale_postgres() -> None:
