@@ -29,9 +29,9 @@ import pytest
 import sqlalchemy as sa
 
 import dualwrite
-from dualwrite.database import normalize_url
 from dualwrite.dev import ExternalKafkaCluster, KafkaTarget, LocalKafkaCluster, LocalPostgres
 from dualwrite.dev.kafka_cluster import Backend
+from tests._db_helpers import fresh_schema
 
 KAFKA_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA_VERSION", "4.3.1")
 KAFKA39_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA39_VERSION", "3.9.2")
@@ -214,18 +214,8 @@ def empty_db_url(backend: str, request: pytest.FixtureRequest) -> Iterator[str]:
     if backend == "sqlite":
         yield request.getfixturevalue("sqlite_url")
         return
-    base: str = request.getfixturevalue("postgres_url")
-    schema = f"dw_test_{uuid.uuid4().hex[:12]}"
-    admin = dualwrite.create_engine(base)
-    with admin.begin() as conn:
-        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
-    url = normalize_url(base).update_query_dict({"options": f"-csearch_path={schema}"})
-    try:
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
-        admin.dispose()
+    with fresh_schema(request.getfixturevalue("postgres_url"), "dw_test") as url:
+        yield url
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,6 @@ from click.testing import CliRunner
 import dualwrite
 from dualwrite import DualWriteError, DualWriter, OutcomeUnknownError, RetriableError
 from dualwrite.cli import main as cli_main
-from dualwrite.database import normalize_url
 from dualwrite.dev import LocalKafkaCluster
 from dualwrite.dev.security import application_acls, write_properties_file
 from dualwrite.participant import TxnState
@@ -33,6 +31,7 @@ from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.writer import PhaseHooks
 from dualwrite.writer.lease import Leases
 from dualwrite.writer.state_store import StateStore
+from tests._db_helpers import fresh_schema
 from tests._kafka_helpers import in_thread, read_committed, unique, wait_for
 from tests._tcp_proxy import TcpProxy, contains, kafka_api
 from tests.conftest import BACKEND, KAFKA_VERSION
@@ -86,22 +85,12 @@ ORDERS = sa.Table("lost_orders", sa.MetaData(), sa.Column("id", sa.String(64), p
 @pytest.fixture
 def pg_url(postgres_url: str) -> Iterator[str]:
     """A fresh schema with dualwrite's tables and the test's table."""
-    schema = f"dw_lost_{uuid.uuid4().hex[:10]}"
-    admin = dualwrite.create_engine(postgres_url)
-    with admin.begin() as conn:
-        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
-    url = normalize_url(postgres_url).update_query_dict({"options": f"-csearch_path={schema}"})
-    text = url.render_as_string(hide_password=False)
-    dualwrite.upgrade_database(text)
-    engine = dualwrite.create_engine(text)
-    ORDERS.create(engine)
-    engine.dispose()
-    try:
+    with fresh_schema(postgres_url, "dw_lost") as text:
+        dualwrite.upgrade_database(text)
+        engine = dualwrite.create_engine(text)
+        ORDERS.create(engine)
+        engine.dispose()
         yield text
-    finally:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
-        admin.dispose()
 
 
 @contextlib.contextmanager

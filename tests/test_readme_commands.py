@@ -30,9 +30,8 @@ from pathlib import Path
 
 import pytest
 
-import dualwrite
-from dualwrite.database import normalize_url
 from dualwrite.dev import KafkaTarget, docker_available, dualwrite_home
+from tests._db_helpers import fresh_schema
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = ("README.md", "examples/README.md", "spark/README.md", "bench/README.md")
@@ -402,15 +401,8 @@ def _base_env(work: Path) -> dict[str, str]:
 
 @pytest.fixture
 def fresh_database_url(postgres_url: str) -> Iterator[str]:
-    schema = f"readme_{uuid.uuid4().hex[:10]}"
-    admin = dualwrite.create_engine(postgres_url)
-    with admin.begin() as conn:
-        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
-    url = normalize_url(postgres_url).update_query_dict({"options": f"-csearch_path={schema}"})
-    yield url.render_as_string(hide_password=False)
-    with admin.begin() as conn:
-        conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
-    admin.dispose()
+    with fresh_schema(postgres_url, "readme") as url:
+        yield url
 
 
 ONE_TRANSACTION = """

@@ -28,10 +28,10 @@ from dualwrite import (
     FatalError,
     OutcomeUnknownError,
 )
-from dualwrite.database import normalize_url
 from dualwrite.deadline import MARGIN_S
 from dualwrite.dev import LocalKafkaCluster, LocalPostgres
 from dualwrite.participant.control_plane import ControlPlane
+from tests._db_helpers import fresh_schema
 from tests._kafka_helpers import closed_port, read_committed, unique
 from tests._tcp_proxy import TcpProxy, contains
 from tests.conftest import KAFKA_VERSION
@@ -65,22 +65,12 @@ def kafka(cluster: LocalKafkaCluster) -> LocalKafkaCluster:
 
 def _schema_url(base: str) -> Iterator[str]:
     """A fresh schema on the database of ``base`` with dualwrite's tables and ROWS."""
-    schema = f"dw_tmo_{uuid.uuid4().hex[:10]}"
-    admin = dualwrite.create_engine(base)
-    with admin.begin() as conn:
-        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
-    url = normalize_url(base).update_query_dict({"options": f"-csearch_path={schema}"})
-    text = url.render_as_string(hide_password=False)
-    dualwrite.upgrade_database(text)
-    engine = dualwrite.create_engine(text)
-    ROWS.create(engine)
-    engine.dispose()
-    try:
+    with fresh_schema(base, "dw_tmo", quiet_drop=True) as text:
+        dualwrite.upgrade_database(text)
+        engine = dualwrite.create_engine(text)
+        ROWS.create(engine)
+        engine.dispose()
         yield text
-    finally:
-        with contextlib.suppress(Exception), admin.begin() as conn:
-            conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
-        admin.dispose()
 
 
 @pytest.fixture
