@@ -278,9 +278,9 @@ class BatchCoordinator:
         if not participants:
             return 0
         # The first one alone, so that a crash test can stop the driver between two commits.
-        committed = [self._commit_direct(participants[0])]
+        committed = self._commit_direct(participants[:1])
         self._hooks.at("committed-one", batch_id)
-        committed += self._pool.map(self._commit_direct, participants[1:])
+        committed += self._commit_direct(participants[1:])
         unsettled = [p for p, done in zip(participants, committed, strict=True) if not done]
         if not unsettled:
             return len(participants)
@@ -293,20 +293,34 @@ class BatchCoordinator:
             raise BatchHeuristicAbortError(self.sink_id, batch_id, heuristic)
         return sum(committed) + sum(1 for r in results if r is Outcome.COMMITTED)
 
-    def _commit_direct(self, p: Participant) -> bool:
-        """EndTxn(commit) by the prepared producer id and epoch; False if that did not settle it."""
-        state = p.state
+    def _commit_direct(self, participants: Sequence[Participant]) -> list[bool]:
+        """EndTxn(commit) by each prepared producer id and epoch, all sent at once (one
+        connection per coordinator, see :meth:`ControlPlane.end_transactions`); for each, False
+        if that did not settle it.
+
+        Sending them at once, and again after a failure (here, in :meth:`_complete` and in
+        :meth:`_complete_decided`'s retries), is safe against KAFKA-17754 (a delayed EndTxn
+        landing on a later transaction of the same producer id and epoch) because a
+        participant's (producer id, epoch) is used for one transaction only: its task closed the
+        producer after preparing, and a later attempt or batch on the pooled id initialises it
+        again, which bumps the epoch. A late copy can only end this transaction, which the
+        decision says to commit.
+        """
+        if not participants:
+            return []
+        ends = [(p.transactional_id, p.state.producer_id, p.state.epoch) for p in participants]
         try:
-            self._cp.end_transaction(p.transactional_id, state.producer_id, state.epoch,
-                                    commit=True)
-            return True
+            results = self._cp.end_transactions(ends, commit=True)
         except DualWriteError as exc:
-            # Fenced or invalid state: not open under this epoch any more. Unknown outcome:
-            # never guess. Both are settled by reading the coordinator and the anchor.
-            log.info("sink=%s transactional_id=%s producer_id=%d epoch=%d direct commit "
-                     "failed (%s); completing from the prepared state", self.sink_id,
-                     p.transactional_id, state.producer_id, state.epoch, exc)
-            return False
+            results = [exc] * len(participants)
+        for p, error in zip(participants, results, strict=True):
+            if error is not None:
+                # Fenced or invalid state: not open under this epoch any more. Unknown outcome:
+                # never guess. Both are settled by reading the coordinator and the anchor.
+                log.info("sink=%s transactional_id=%s producer_id=%d epoch=%d direct commit "
+                         "failed (%s); completing from the prepared state", self.sink_id,
+                         p.transactional_id, p.state.producer_id, p.state.epoch, error)
+        return [error is None for error in results]
 
     def _complete(self, p: Participant) -> Outcome | HeuristicAbortError:
         state = p.state

@@ -17,16 +17,16 @@ request of our choosing to a node of our choosing. The control plane needs exact
 
 kafka-python 3.0 routes every request through ``kafka.net.KafkaConnectionManager`` on a
 ``kafka.net.NetworkSelector`` IO thread. Both classes are exported by ``kafka.net``, and
-``KafkaAdminClient`` takes a documented ``kafka_client`` factory, so :class:`KafkaLink` builds
-them itself (exactly as kafka-python's own ``KafkaNetClient`` does) and hands them to the admin
-client: the admin client and the control plane share one set of connections, and no underscore
-name of kafka-python is touched. What is version-sensitive is the shape of that layer (the
-factory hook, ``send``/``run``/``bootstrap_async``/``cluster``/``broker_version_data``,
+``KafkaAdminClient`` takes a documented ``kafka_client`` factory, so :class:`KafkaLink` builds them
+itself (exactly as kafka-python's own ``KafkaNetClient`` does) and hands them to the admin client:
+the admin client and the control plane share one set of connections, and no underscore name of
+kafka-python is touched. What is version-sensitive is the shape of that layer (the factory hook,
+``send``/``run``/``call_soon``/``bootstrap_async``/``cluster``/``broker_version_data``,
 ``NetworkSelector.sleep``, awaitable futures) and of the generated protocol classes (``max_version``
 keyword, ``InitProducerIdRequest[6]``, field names). kafka-python marks this layer as in transition
 (``KafkaNetClient`` is a "compat" shim), so the range below is checked at import, and
-tests/test_kafka_python_seam.py exercises every function here against a real broker: an upgrade
-that renames or reshapes any of it fails there, loudly, not in a recovery.
+tests/test_kafka_python_seam.py exercises every function here against a real broker: an upgrade that
+renames or reshapes any of it fails there, loudly, not in a recovery.
 
 No other dualwrite module may import ``kafka.net`` or use kafka-python's underscore names.
 """
@@ -136,6 +136,15 @@ class KafkaLink:
         if timeout_ms is None:
             return await future
         return await self._manager.wait_for(future, timeout_ms)
+
+    def spawn(self, coro: Callable[..., Awaitable[T]], *args: Any) -> Awaitable[T]:
+        """Start ``coro(*args)`` as its own task on the IO thread; await the result to join it.
+
+        Called inside a coroutine that ``run`` runs, it lets that coroutine send requests to
+        several brokers, or several requests to one, at once instead of one after another.
+        """
+        future: Awaitable[T] = self._manager.call_soon(coro, *args)
+        return future
 
     async def sleep(self, seconds: float) -> None:
         await self._net.sleep(seconds)

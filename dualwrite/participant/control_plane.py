@@ -15,7 +15,7 @@ import logging
 import re
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -31,6 +31,7 @@ from kafka.protocol.metadata import (
 from dualwrite.deadline import Deadline, bounded, wait_s
 from dualwrite.errors import (
     BrokerUnreachableError,
+    DualWriteError,
     FatalError,
     OutcomeUnknownError,
     RetriableError,
@@ -313,16 +314,21 @@ class ControlPlane:
         try:
             return fn(*args, **kwargs)
         except kafka_errors.KafkaError as exc:
-            if isinstance(exc, (kafka_errors.KafkaConnectionError, kafka_errors.NodeNotReadyError,
-                                kafka_errors.KafkaTimeoutError,
-                                kafka_errors.RequestTimedOutError)):
-                raise BrokerUnreachableError(
-                    f"Kafka at {self._servers} did not answer ({exc!r}); retry when it is back"
-                ) from exc
-            code = getattr(exc, "errno", None)
-            if isinstance(code, int) and code > 0:
+            raise self._typed(exc) from exc
+
+    def _typed(self, exc: kafka_errors.KafkaError) -> DualWriteError:
+        """The dualwrite error for a kafka-python error (see :meth:`_call`)."""
+        if isinstance(exc, (kafka_errors.KafkaConnectionError, kafka_errors.NodeNotReadyError,
+                            kafka_errors.KafkaTimeoutError, kafka_errors.RequestTimedOutError)):
+            return BrokerUnreachableError(
+                f"Kafka at {self._servers} did not answer ({exc!r}); retry when it is back")
+        code = getattr(exc, "errno", None)
+        if isinstance(code, int) and code > 0:
+            try:
                 raise_for_code(code, str(exc))
-            raise RetriableError(f"Kafka request failed: {exc!r}") from exc
+            except DualWriteError as typed:
+                return typed
+        return RetriableError(f"Kafka request failed: {exc!r}")
 
     def _deadline(self) -> Deadline:
         """This call's deadline: the caller's (dualwrite.deadline), or ``timeout_s`` from now."""
@@ -356,6 +362,21 @@ class ControlPlane:
             node = self._link.add_coordinator(answer, CoordinatorType.TRANSACTION, tid)
             self._coordinators[tid] = out[tid] = node
         return out
+
+    @staticmethod
+    async def _join(sent: list[tuple[int, Awaitable[Any]]]) -> list[tuple[int, Any]]:
+        """Await requests sent concurrently (see :meth:`KafkaLink.spawn`), each node's answer;
+        every one is waited for before the first failure is raised, so none is left running."""
+        answers: list[tuple[int, Any]] = []
+        failure: BaseException | None = None
+        for node, pending in sent:
+            try:
+                answers.append((node, await pending))
+            except Exception as exc:  # re-raised below, after the others
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        return answers
 
     def _forget_coordinator(self, transactional_id: str) -> None:
         """Drop a cached coordinator after NOT_COORDINATOR so the retry looks it up again."""
@@ -415,9 +436,11 @@ class ControlPlane:
             for tid, node in coordinators.items():
                 by_node[node].append(tid)
             out: dict[str, TransactionDescription] = {}
-            for node, tids in by_node.items():
-                response = await self._send(
-                    dl, DescribeTransactionsRequest(transactional_ids=tids), node)
+            # One request per coordinator, all coordinators at once.
+            sent = [(node, self._link.spawn(
+                self._send, dl, DescribeTransactionsRequest(transactional_ids=tids), node))
+                for node, tids in by_node.items()]
+            for node, response in await self._join(sent):
                 for txn in response.transaction_states:
                     if txn.error_code == _TRANSACTIONAL_ID_NOT_FOUND:
                         continue
@@ -550,6 +573,7 @@ class ControlPlane:
             for p in parts:
                 leaders[self._leaders[p]].append(p)
             out: dict[TopicPartition, list[ActiveProducer]] = {}
+            sent = []
             for leader, tps in leaders.items():
                 by_topic: dict[str, list[int]] = defaultdict(list)
                 for tp in tps:
@@ -557,7 +581,8 @@ class ControlPlane:
                 request = DescribeProducersRequest(topics=[
                     DescribeProducersRequest.TopicRequest(name=t, partition_indexes=ps)
                     for t, ps in by_topic.items()])
-                response = await self._send(dl, request, leader)
+                sent.append((leader, self._link.spawn(self._send, dl, request, leader)))
+            for _, response in await self._join(sent):  # every leader at once
                 for topic in response.topics:
                     for part in topic.partitions:
                         tp_ = TopicPartition(topic.name, part.partition_index)
@@ -600,6 +625,49 @@ class ControlPlane:
         log.info("%s", what)
         self._run(self._end_transaction, transactional_id, producer_id, epoch, commit, what,
                   self._deadline())
+
+    def end_transactions(self, ends: Sequence[tuple[str, int, int]], commit: bool
+                         ) -> list[DualWriteError | None]:
+        """:meth:`end_transaction` for many (transactional id, producer id, epoch) at once.
+
+        One FindCoordinator for the ids whose coordinator is not cached, then every EndTxn sent
+        at once: pipelined on the one connection to each coordinator, all coordinators in
+        parallel, so the time does not grow with the number of ids. Each id keeps
+        :meth:`end_transaction`'s rules (retried only after an answer saying it was not acted
+        on; a commit sent without an answer is :class:`OutcomeUnknownError`). Returns each id's
+        typed error in the order of ``ends``, None where the coordinator accepted the decision.
+        """
+        if not ends:
+            return []
+        verb = "commit" if commit else "abort"
+        log.info("EndTxn(%s) of %d transactional ids at once", verb, len(ends))
+        return self._run(self._end_transactions, list(ends), commit, self._deadline())
+
+    async def _end_transactions(self, ends: list[tuple[str, int, int]], commit: bool,
+                                dl: Deadline) -> list[DualWriteError | None]:
+        verb = "commit" if commit else "abort"
+        try:
+            await self._find_coordinators(list(dict.fromkeys(t for t, _, _ in ends)), dl)
+        except (DualWriteError, kafka_errors.KafkaError) as exc:
+            # Each id's own attempt below looks its coordinator up again, with its retries.
+            log.debug("FindCoordinator for %d ids failed (%r); looking up one by one",
+                      len(ends), exc)
+        sent = []
+        for tid, pid, epoch in ends:
+            what = (f"EndTxn({verb}) transactional_id={tid} producer_id={pid} epoch={epoch}")
+            log.info("%s", what)
+            sent.append(self._link.spawn(self._end_transaction, tid, pid, epoch, commit, what,
+                                         dl))
+        out: list[DualWriteError | None] = []
+        for pending in sent:
+            try:
+                await pending
+                out.append(None)
+            except DualWriteError as exc:
+                out.append(exc)
+            except kafka_errors.KafkaError as exc:
+                out.append(self._typed(exc))
+        return out
 
     async def _end_transaction(self, tid: str, pid: int, epoch: int, commit: bool,
                                what: str, dl: Deadline) -> None:
