@@ -74,6 +74,10 @@ case "$cmd" in
             shift
             exec "$VENV/bin/python" bench/bench_service.py "$@"
         fi
+        if [ "${1:-}" = commit ]; then
+            shift
+            exec "$VENV/bin/python" bench/bench_commit.py "$@"
+        fi
         exec "$VENV/bin/python" bench/bench_dual_write.py "$@" ;;
     *)
         sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
