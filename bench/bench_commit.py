@@ -163,18 +163,18 @@ def main() -> int:
         values = [v for _, v in records]
         ok = len(values) == expected and len(set(values)) == expected and not unfinished
 
-    summary = {case: {phase: {"p50": statistics.median(v), "p95": percentile(v, 0.95)}
-                      for phase, v in phases.items()} for case, phases in results.items()}
+    summary = {name: {phase: {"p50": statistics.median(v), "p95": percentile(v, 0.95)}
+                      for phase, v in phases.items()} for name, phases in results.items()}
     if args.json:
         print(json.dumps({"summary": summary, "verified": ok, "records": len(values)}, indent=2))
     else:
         print(f"{'case':<14} {'commit phase p50/p95':>21} {'EndTxn':>9} {'decide':>9} "
               f"{'complete':>9} {'verify':>9}   (ms; p50 unless said)")
-        for case, s in summary.items():
+        for name, s in summary.items():
             def ms(phase: str, q: str = "p50", s: dict[str, dict[str, float]] = s) -> str:
                 return f"{s[phase][q] * 1e3:.1f}"
             both = f"{ms('commit_phase_s')} / {ms('commit_phase_s', 'p95')}"
-            print(f"{case:<14} {both:>21} {ms('commit_s'):>9} {ms('decide_s'):>9} "
+            print(f"{name:<14} {both:>21} {ms('commit_s'):>9} {ms('decide_s'):>9} "
                   f"{ms('complete_s'):>9} {ms('verify_s'):>9}")
     print(f"SUMMARY: {len(values)} of {expected} records committed once, "
           f"{'verified OK' if ok else 'VERIFICATION FAILED'}")
