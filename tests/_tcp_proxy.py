@@ -16,6 +16,7 @@ each received chunk is one message and a rule matches bytes in it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import socket
 import struct
@@ -126,6 +127,8 @@ class _Connection:
     def _forward(self, pipe: _Pipe, message: bytes) -> bool:
         """Deliver or hold ``message``; False when the connection must be cut now."""
         framing = pipe.framer is not None
+        if framing and pipe.direction == "up" and len(message) >= 6:
+            self.proxy._count(struct.unpack(">h", message[4:6])[0])
         if pipe.direction == "down" and self.drop_response is not None:
             wanted, done = self.drop_response
             if not framing or wanted is None or _correlation_id(message, False) == wanted:
@@ -200,6 +203,7 @@ class TcpProxy:
         self._stopped = False
         self.accepted = 0
         """Connections accepted so far (refused ones included)."""
+        self._requests: collections.Counter[int] = collections.Counter()
 
     @property
     def address(self) -> str:
@@ -287,6 +291,12 @@ class TcpProxy:
             self._rules.append((kind, match or (lambda _m: True), done))
         return done
 
+    def requests(self, api_key: int) -> int:
+        """How many requests of ``api_key`` reached the proxy so far (``kafka_framing`` only),
+        forwarded or held."""
+        with self._lock:
+            return self._requests[api_key]
+
     def disarm(self) -> None:
         """Forget rules that have not fired."""
         with self._lock:
@@ -301,6 +311,10 @@ class TcpProxy:
                     del self._rules[i]
                     return kind, done
         return None
+
+    def _count(self, api_key: int) -> None:
+        with self._lock:
+            self._requests[api_key] += 1
 
     def _forget(self, conn: _Connection) -> None:
         with self._lock, contextlib.suppress(ValueError):
