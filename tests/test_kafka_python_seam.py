@@ -188,6 +188,30 @@ def test_sleep_runs_on_the_io_thread(link: seam.KafkaLink) -> None:
     assert 0.15 <= link.run(nap) < 5
 
 
+def test_spawned_coroutines_run_at_once_and_are_joined(link: seam.KafkaLink) -> None:
+    async def nap(seconds: float) -> float:
+        await link.sleep(seconds)
+        return seconds
+
+    async def fail() -> None:
+        raise ValueError("boom")
+
+    async def three() -> tuple[list[float], float]:
+        started = time.monotonic()
+        naps = [link.spawn(nap, 0.3) for _ in range(3)]
+        done = [await n for n in naps]
+        return done, time.monotonic() - started
+
+    done, took = link.run(three)
+    assert done == [0.3] * 3 and 0.25 <= took < 0.8  # together, not 0.9 s one after another
+
+    async def joined_failure() -> None:
+        await link.spawn(fail)
+
+    with pytest.raises(ValueError, match="boom"):
+        link.run(joined_failure)
+
+
 def test_run_raises_the_coroutines_error(link: seam.KafkaLink) -> None:
     async def fail() -> None:
         raise ValueError("boom")
