@@ -14,7 +14,7 @@ import enum
 import logging
 import re
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -92,6 +92,12 @@ _COORDINATOR_NOT_AVAILABLE = 15
 # version alone, so finishing a librdkafka transaction with v5 would fence librdkafka's own later
 # EndTxn. v4 is the newest TV1 version.
 _END_TXN_TV1_MAX_VERSION = 4
+_MAX_IN_FLIGHT = 32
+_END_TXN_WINDOW = 16
+"""EndTxn requests :meth:`ControlPlane.end_transactions` keeps in flight per coordinator: well
+below the connection's ``max_in_flight_requests_per_connection`` (``_MAX_IN_FLIGHT``), past which
+kafka-python refuses a request (NodeNotReadyError, "paused") instead of queueing it, and the
+retry after it would cost a backoff (measured: 100 ids at once took 375 ms, 16 at a time 30)."""
 
 
 class TxnState(enum.Enum):
@@ -273,7 +279,7 @@ class ControlPlane:
         kp["reconnect_backoff_max_ms"] = 1000
         # Recovery's threads share a connection per broker: let their requests queue on the wire
         # rather than in the client (kafka-python's default allows 5 in flight).
-        kp.setdefault("max_in_flight_requests_per_connection", 32)
+        kp.setdefault("max_in_flight_requests_per_connection", _MAX_IN_FLIGHT)
         self._servers = ",".join(kp["bootstrap_servers"])
         try:
             self._link = KafkaLink(**kp)
@@ -652,21 +658,28 @@ class ControlPlane:
             # Each id's own attempt below looks its coordinator up again, with its retries.
             log.debug("FindCoordinator for %d ids failed (%r); looking up one by one",
                       len(ends), exc)
-        sent = []
-        for tid, pid, epoch in ends:
-            what = (f"EndTxn({verb}) transactional_id={tid} producer_id={pid} epoch={epoch}")
-            log.info("%s", what)
-            sent.append(self._link.spawn(self._end_transaction, tid, pid, epoch, commit, what,
-                                         dl))
-        out: list[DualWriteError | None] = []
-        for pending in sent:
-            try:
-                await pending
-                out.append(None)
-            except DualWriteError as exc:
-                out.append(exc)
-            except kafka_errors.KafkaError as exc:
-                out.append(self._typed(exc))
+        by_node: dict[int | None, deque[int]] = defaultdict(deque)
+        for i, (tid, _, _) in enumerate(ends):
+            by_node[self._coordinators.get(tid)].append(i)
+        out: list[DualWriteError | None] = [None] * len(ends)
+
+        async def lane(queue: deque[int]) -> None:
+            while queue:
+                i = queue.popleft()
+                tid, pid, epoch = ends[i]
+                what = f"EndTxn({verb}) transactional_id={tid} producer_id={pid} epoch={epoch}"
+                log.info("%s", what)
+                try:
+                    await self._end_transaction(tid, pid, epoch, commit, what, dl)
+                except DualWriteError as exc:
+                    out[i] = exc
+                except kafka_errors.KafkaError as exc:
+                    out[i] = self._typed(exc)
+
+        lanes = [self._link.spawn(lane, queue) for queue in by_node.values()
+                 for _ in range(min(_END_TXN_WINDOW, len(queue)))]
+        for pending in lanes:
+            await pending
         return out
 
     async def _end_transaction(self, tid: str, pid: int, epoch: int, commit: bool,
