@@ -300,6 +300,16 @@ SCENARIOS = [
                 (r"^ +8 async-gc ", 1), (r"^memory per pooled writer", 1),
                 (r"^SUMMARY: .*verified OK", 1)),
     ),
+    Scenario(
+        "bench-commit",
+        ("./run.sh bench commit [--participants 8,32]",),
+        edits=(("./run.sh bench commit [--participants 8,32] [--batches 15] "
+                "[--paths threads,pipelined]\n                      [--db-url URL] [--json]",
+                './run.sh bench commit --participants 2 --batches 1 '
+                '--db-url "$DUALWRITE_DATABASE_URL"'),),
+        expect=((r"^pipelined@2 ", 1), (r"^SUMMARY: 8 of 8 records committed once, verified OK",
+                                        1)),
+    ),
     # Last: its `dev down` stops the module's dev cluster.
     Scenario(
         "cli-verbs",
