@@ -9,6 +9,7 @@ each partition leader once.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -82,6 +83,23 @@ def test_end_transactions_gives_each_id_its_own_typed_error(bootstrap: str, kafk
     assert isinstance(results[2], ProducerFencedError), results
     assert [r for i, r in enumerate(results) if i != 2] == [None] * 5
     assert read_committed(bootstrap, topic) == values(0, 1, 3, 4, 5)
+
+
+def test_more_ids_than_a_connection_takes_in_flight_are_sent_without_a_refusal(
+        bootstrap: str, kafka: Any, caplog: pytest.LogCaptureFixture) -> None:
+    n = 40  # past the control plane's 32 requests in flight per connection
+    topic = kafka.create_topic(unique("fanout"), n, 1)
+    with ControlPlane({"bootstrap.servers": bootstrap}, timeout_s=20) as cp:
+        parts = prepare_many(bootstrap, cp, unique("sink"), topic, 0, n)
+        with caplog.at_level(logging.DEBUG, logger="dualwrite.participant.control_plane"):
+            results = cp.end_transactions(
+                [(p.transactional_id, p.state.producer_id, p.state.epoch) for p in parts],
+                commit=True)
+    assert results == [None] * n
+    # kafka-python refuses a request past the connection's limit ("Node paused"); the retry
+    # after it costs a backoff and forgets every cached coordinator.
+    assert not [r.getMessage() for r in caplog.records if "retrying after" in r.getMessage()]
+    assert read_committed(bootstrap, topic) == values(*range(n))
 
 
 @POSTGRESQL
