@@ -17,13 +17,14 @@ PACKAGE = Path(dualwrite.__file__).resolve().parent
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "deadline": set(),
+    "metrics": set(),
     "participant": set(),
     "database": set(),
-    "writer": {"participant", "database"},
-    "batch": {"participant", "database"},
-    "recovery": {"participant", "database", "writer", "batch"},
-    "spark": {"participant", "database", "batch"},
-    "cli": {"participant", "database", "batch", "recovery", "dev"},
+    "writer": {"participant", "database", "metrics"},
+    "batch": {"participant", "database", "metrics"},
+    "recovery": {"participant", "database", "writer", "batch", "metrics"},
+    "spark": {"participant", "database", "batch", "metrics"},
+    "cli": {"participant", "database", "batch", "recovery", "dev", "metrics"},
     "dev": set(),
 }
 
