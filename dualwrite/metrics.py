@@ -272,9 +272,11 @@ def records_batches(finish: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
-def recovery_pass(ok: bool, seconds: float, finished: Iterable[str] = ()) -> None:
-    """One pass of the recovery daemon: its result, duration and the outcomes it carried out
-    (``Outcome`` values of what it finished)."""
+def recovery_pass(ok: bool, seconds: float, finished: Iterable[str] = (),
+                  heuristic: Iterable[str] = ()) -> None:
+    """One pass of the recovery daemon: its result, duration, the outcomes it carried out
+    (``Outcome`` values of what it finished) and the kinds (abort, unreadable) of the heuristic
+    outcomes it met for the first time (``role="recovery"``)."""
     if _M is None:
         return
     _M.passes.labels("ok" if ok else "error").inc()
@@ -283,6 +285,8 @@ def recovery_pass(ok: bool, seconds: float, finished: Iterable[str] = ()) -> Non
         _M.last_success.set(time.time())
     for outcome in finished:
         _M.recovered.labels(outcome).inc()
+    for kind in heuristic:
+        _M.heuristic.labels("recovery", kind).inc()
 
 
 def status_observed(in_doubt: int, heuristic: int, open_max_s: float) -> None:
