@@ -319,7 +319,7 @@ _FINISHED = (Outcome.COMMITTED, Outcome.ABORTED, Outcome.ALREADY_COMMITTED, Outc
 _HEURISTIC_KIND = {Outcome.HEURISTIC_ABORT: "abort", Outcome.OUTCOME_UNREADABLE: "unreadable"}
 
 # How long a stop signal waits for the running pass before abandoning it.
-_STOP_GRACE_S = 5.0
+_STOP_GRACE_S = 2.0
 
 
 class _Daemon:
@@ -342,17 +342,17 @@ class _Daemon:
         number = 0
         while not self._stop.is_set():
             number += 1
-            ok = self._pass(number)
+            ok, line = self._pass(number)
             failures = 0 if ok else failures + 1
             delay = self._interval_s if ok else min(
                 self._interval_s * 2 ** (failures - 1), self._max_backoff_s)
-            if not ok:
-                _say(f"pass {number}: retrying in {delay:g} s ({failures} failed in a row)")
+            _say(line if ok else f"{line}; retrying in {delay:g} s ({failures} in a row)")
             self._stop.wait(delay)
         _say("stopped (signal)")
 
-    def _pass(self, number: int) -> bool:
-        """One pass in a thread of its own, so that a stop signal need not wait for it."""
+    def _pass(self, number: int) -> tuple[bool, str]:
+        """One pass in a thread of its own, so that a stop signal need not wait for it; whether
+        it succeeded, and its log line."""
         started = time.monotonic()
         box: list[tuple[RecoveryReport, StatusReport] | BaseException] = []
 
@@ -380,9 +380,8 @@ class _Daemon:
         if isinstance(result, BaseException):
             what = (f"{type(result).__name__}: {result}" if isinstance(result, DualWriteError)
                     else f"unexpected {type(result).__name__}")
-            _say(f"pass {number}: error in {elapsed:.2f} s: {what}")
             metrics.recovery_pass(False, elapsed)
-            return False
+            return False, f"pass {number}: error in {elapsed:.2f} s: {what}"
         report, state = result
         finished = [r.outcome.value for r in report.results if r.outcome in _FINISHED]
         finished += [s.outcome.value for s in report.sinks if s.outcome in _FINISHED]
@@ -398,11 +397,9 @@ class _Daemon:
         counts = {o: finished.count(o) for o in dict.fromkeys(finished)}
         done = ", ".join(f"{k}={v}" for k, v in counts.items()) or "nothing"
         failed = len(report.failed) + len(report.failed_sinks)
-        _say(f"pass {number}: {'ok' if ok else 'error'} in {elapsed:.2f} s: finished {done}; "
-             f"in doubt {in_doubt}, heuristic {heuristic}"
-             + (f", unresolved {failed} ({report.failed[0].detail if report.failed else ''})"
-                if failed else ""))
-        return ok
+        return ok, (f"pass {number}: {'ok' if ok else 'error'} in {elapsed:.2f} s: finished "
+                    f"{done}; in doubt {in_doubt}, heuristic {heuristic}"
+                    + (f", unresolved {failed}" if failed else ""))
 
 
 def _say(line: str) -> None:
