@@ -26,6 +26,7 @@ from dualwrite import DualWriter, DualWriterPool, OutcomeUnknownError, metrics
 from dualwrite.batch import BatchCoordinator
 from dualwrite.cli import main
 from dualwrite.errors import BatchHeuristicAbortError, HeuristicAbortError, RetriableError
+from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.writer import PhaseHooks
 from tests._db_helpers import fresh_schema
 from tests._kafka_helpers import read_committed, unique
@@ -149,6 +150,31 @@ def test_status_prometheus_prints_the_exposition(pg: str, bootstrap: str, topic:
     assert samples["dualwrite_active_transaction_open_time_max_seconds"] > 0
     assert not any(name.startswith(("process_", "python_")) for name in samples)
     assert dualwrite.recover(pg, {"bootstrap.servers": bootstrap}).ok  # (tidy)
+
+
+def test_a_heuristic_abort_counts_once(pg: str, bootstrap: str, topic: str) -> None:
+    """A writer SIGKILLed after its database COMMIT, its Kafka transaction then aborted by
+    force (fenced): the next writer of the id raises HeuristicAbortError at each start until it
+    is acknowledged; it is counted once."""
+    engine = dualwrite.create_engine(pg)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE events (id TEXT PRIMARY KEY, txn INT NOT NULL)")
+    engine.dispose()
+    tid = unique("metrics-heuristic")
+    crash_after_db_commit(pg, bootstrap, topic, tid, 1)
+    with ControlPlane({"bootstrap.servers": bootstrap}) as cp:
+        cp.fence(tid)  # Kafka aborts what the database decided to commit
+
+    def counted() -> tuple[float, float]:
+        return (value("dualwrite_heuristic_outcomes_total", role="writer", kind="abort"),
+                value("dualwrite_transactions_total", role="writer", outcome="heuristic"))
+
+    before = counted()
+    with DualWriter(pg, {"bootstrap.servers": bootstrap}, transactional_id=tid) as writer:
+        for _ in range(2):
+            with pytest.raises(HeuristicAbortError), writer.transaction():
+                pass
+    assert (counted()[0] - before[0], counted()[1] - before[1]) == (1, 1)
 
 
 def test_outcome_labels_and_the_sink_decorator() -> None:

@@ -548,11 +548,13 @@ class DualWriter:
             self._busy.release()
 
     def _count(self, exc: BaseException | None) -> None:
-        """Count the transaction's outcome; a heuristic outcome raised again counts once."""
+        """Count the transaction's outcome; a heuristic outcome raised again (for the same
+        stored state, at each start until acknowledged) counts once."""
         if isinstance(exc, HeuristicOutcomeError):
-            if str(exc) == self._heuristic_counted:
+            seen = str(getattr(exc, "state", exc))
+            if seen == self._heuristic_counted:
                 return
-            self._heuristic_counted = str(exc)
+            self._heuristic_counted = seen
         metrics.transaction_ended(self._role, exc)
 
     def _transaction(self, clock: metrics.PhaseClock
