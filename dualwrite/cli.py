@@ -20,13 +20,17 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any, NoReturn, TypeVar
 
 import click
 
+from dualwrite import metrics
 from dualwrite.batch.decision_log import check_sink_id
 from dualwrite.database import create_engine, mask_url, upgrade_database
 from dualwrite.errors import (
@@ -45,6 +49,8 @@ from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.recovery import (
     Condition,
     OpenTransaction,
+    Outcome,
+    RecoveryReport,
     RecoveryResult,
     SinkRecoveryResult,
     StatusReport,
@@ -218,11 +224,24 @@ def probe(bootstrap_servers: str | None, kafka_properties: str | None, timeout_s
               help="Clear heuristic-abort and outcome-unreadable states (and complete a batch "
               "sink's heuristic batch) after you re-published their missing records.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@click.option("--watch", "watch_s", type=click.FloatRange(0, min_open=True), metavar="INTERVAL",
+              help="Run as a daemon: a pass (recover, then status) every INTERVAL seconds, one "
+              "line per pass, until SIGTERM or SIGINT (exit 0). Failed passes (Kafka or the "
+              "database unreachable, ids unresolved) are retried with exponential back-off.")
+@click.option("--max-backoff", "max_backoff_s", type=click.FloatRange(0, min_open=True),
+              default=300.0, show_default=True,
+              help="With --watch: the longest wait after failed passes (at least INTERVAL).")
+@click.option("--metrics-port", type=click.IntRange(1, 65535),
+              help="With --watch: serve Prometheus metrics at http://HOST:PORT/metrics "
+              "(needs dualwrite[metrics]).")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="With --metrics-port: the address to bind.")
 @_guarded
 def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties: str | None,
                     timeout_s: float, transactional_ids: tuple[str, ...],
                     sink_ids: tuple[str, ...], parallelism: int, acknowledge_heuristic: bool,
-                    as_json: bool) -> None:
+                    as_json: bool, watch_s: float | None, max_backoff_s: float,
+                    metrics_port: int | None, metrics_host: str) -> None:
     """Commit or abort every in-doubt transaction, as the database decided.
 
     Batch sinks (the Spark sink): commits the participants of a decided, not completed batch
@@ -233,12 +252,31 @@ def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties
 
     Exit 0 when all are resolved, 3 on a heuristic outcome, 1 when an id failed with an error
     retrying will not fix (e.g. a missing ACL), 4 when Kafka or the database cannot be reached,
-    5 when some ids or sinks are still unresolved.
+    5 when some ids or sinks are still unresolved. With --watch: exit 0 on SIGTERM or SIGINT.
     """
     config = _kafka_config(bootstrap_servers, kafka_properties)
     engine = create_engine(db_url)
     ids = list(transactional_ids) or None
     sinks = list(sink_ids) or None
+    if watch_s is None and metrics_port is not None:
+        _fail("--metrics-port needs --watch (`dualwrite status --prometheus` prints the "
+              "metrics once)", EXIT_USAGE)
+    if watch_s is not None:
+        stop_metrics = metrics.serve(metrics_port, metrics_host) \
+            if metrics_port is not None else None
+        click.echo(f"recovery daemon: {mask_url(db_url)}, a pass every {watch_s:g} s"
+                   + (f", metrics at http://{metrics_host}:{metrics_port}/metrics"
+                      if metrics_port is not None else ""))
+
+        def one_pass() -> tuple[RecoveryReport, StatusReport]:
+            report = recover(engine, config, ids, sink_ids=sinks, parallelism=parallelism,
+                             timeout_s=timeout_s, acknowledge_heuristic=acknowledge_heuristic)
+            return report, status(engine, config, timeout_s=timeout_s)
+
+        _Daemon(one_pass, watch_s, max(max_backoff_s, watch_s)).run()
+        if stop_metrics is not None:
+            stop_metrics()
+        return
     show_bar = not as_json and sys.stderr.isatty()
     bar_ctx = click.progressbar(length=len(ids) if ids else 0, label="recovering",
                                 file=sys.stderr) if show_bar and ids else None
@@ -277,6 +315,98 @@ def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties
         sys.exit(EXIT_UNRESOLVED)
 
 
+_FINISHED = (Outcome.COMMITTED, Outcome.ABORTED, Outcome.ALREADY_COMMITTED, Outcome.ACKNOWLEDGED)
+_HEURISTIC_KIND = {Outcome.HEURISTIC_ABORT: "abort", Outcome.OUTCOME_UNREADABLE: "unreadable"}
+
+# How long a stop signal waits for the running pass before abandoning it.
+_STOP_GRACE_S = 2.0
+
+
+class _Daemon:
+    """`recover --watch`: one pass per interval, a line per pass, metrics; stops on SIGTERM and
+    SIGINT. A failed pass (any dualwrite error: a side unreachable, a fatal one) is logged by
+    its type and retried after ``interval * 2**(failures - 1)``, at most ``max_backoff_s``."""
+
+    def __init__(self, one_pass: Callable[[], tuple[RecoveryReport, StatusReport]],
+                 interval_s: float, max_backoff_s: float) -> None:
+        self._one_pass = one_pass
+        self._interval_s = interval_s
+        self._max_backoff_s = max_backoff_s
+        self._stop = threading.Event()
+        self._heuristic_seen: set[tuple[str, str]] = set()
+
+    def run(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _frame: self._stop.set())
+        failures = 0
+        number = 0
+        while not self._stop.is_set():
+            number += 1
+            ok, line = self._pass(number)
+            failures = 0 if ok else failures + 1
+            delay = self._interval_s if ok else min(
+                self._interval_s * 2 ** (failures - 1), self._max_backoff_s)
+            _say(line if ok else f"{line}; retrying in {delay:g} s ({failures} in a row)")
+            self._stop.wait(delay)
+        _say("stopped (signal)")
+
+    def _pass(self, number: int) -> tuple[bool, str]:
+        """One pass in a thread of its own, so that a stop signal need not wait for it; whether
+        it succeeded, and its log line."""
+        started = time.monotonic()
+        box: list[tuple[RecoveryReport, StatusReport] | BaseException] = []
+
+        def target() -> None:
+            try:
+                box.append(self._one_pass())
+            except BaseException as exc:
+                box.append(exc)
+
+        worker = threading.Thread(target=target, daemon=True, name="dualwrite-recover-pass")
+        worker.start()
+        while worker.is_alive() and not self._stop.is_set():
+            worker.join(0.2)
+        worker.join(_STOP_GRACE_S if worker.is_alive() else None)
+        if worker.is_alive():
+            # Recovery is safe to interrupt anywhere (the next run finishes what this one
+            # began); its worker threads are not daemons, so leave without waiting for them.
+            _say(f"pass {number}: stopping (signal); abandoned the running pass, the next run "
+                 "finishes it")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_OK)
+        elapsed = time.monotonic() - started
+        result = box[0]
+        if isinstance(result, BaseException):
+            what = (f"{type(result).__name__}: {result}" if isinstance(result, DualWriteError)
+                    else f"unexpected {type(result).__name__}")
+            metrics.recovery_pass(False, elapsed)
+            return False, f"pass {number}: error in {elapsed:.2f} s: {what}"
+        report, state = result
+        finished = [r.outcome.value for r in report.results if r.outcome in _FINISHED]
+        finished += [s.outcome.value for s in report.sinks if s.outcome in _FINISHED]
+        new_heuristic = [_HEURISTIC_KIND[r.outcome] for r in report.heuristic
+                         if (r.transactional_id, r.state) not in self._heuristic_seen]
+        self._heuristic_seen |= {(r.transactional_id, r.state) for r in report.heuristic}
+        ok = not (report.failed or report.failed_sinks)
+        metrics.recovery_pass(ok, elapsed, finished, new_heuristic)
+        in_doubt = len(state.in_doubt) + len(state.sinks_in_doubt)
+        heuristic = len(state.heuristic) + len(report.heuristic_sinks)
+        metrics.status_observed(in_doubt, heuristic,
+                                state.active_transaction_open_time_max_ms / 1000)
+        counts = {o: finished.count(o) for o in dict.fromkeys(finished)}
+        done = ", ".join(f"{k}={v}" for k, v in counts.items()) or "nothing"
+        failed = len(report.failed) + len(report.failed_sinks)
+        return ok, (f"pass {number}: {'ok' if ok else 'error'} in {elapsed:.2f} s: finished "
+                    f"{done}; in doubt {in_doubt}, heuristic {heuristic}"
+                    + (f", unresolved {failed}" if failed else ""))
+
+
+def _say(line: str) -> None:
+    """One line of the daemon's log, timestamped (stdout)."""
+    click.echo(f"{datetime.now(UTC).isoformat(timespec='seconds')} {line}")
+
+
 def _sink_line(s: SinkRecoveryResult) -> str:
     batch = f"batch {s.batch_id}" if s.batch_id is not None else "no decided batch"
     line = f"sink {s.sink_id} {batch}: {s.outcome.value}"
@@ -297,9 +427,13 @@ def _sink_line(s: SinkRecoveryResult) -> str:
 @click.option("--prefix", help="Look for hanging transactions only among ids with this prefix "
               "(batch sinks are always shown).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--prometheus", is_flag=True,
+              help="Print dualwrite's metrics in the Prometheus text format instead (in doubt, "
+              "heuristic, longest-open transaction); exit 0 unless a side is unreachable (4).")
 @_guarded
 def status_command(db_url: str, bootstrap_servers: str | None, kafka_properties: str | None,
-                   timeout_s: float, prefix: str | None, as_json: bool) -> None:
+                   timeout_s: float, prefix: str | None, as_json: bool,
+                   prometheus: bool) -> None:
     """What is in doubt: each id of the state table classified against the brokers' view,
     batch sinks' last batches, and hanging (open, unowned) transactions.
 
@@ -317,7 +451,16 @@ def status_command(db_url: str, bootstrap_servers: str | None, kafka_properties:
     not counted: they may belong to live producers that dualwrite does not know.
     """
     config = _kafka_config(bootstrap_servers, kafka_properties)
+    if prometheus and not metrics.ENABLED:
+        _fail("--prometheus needs prometheus_client: pip install 'dualwrite[metrics]'",
+              EXIT_USAGE)
     report = status(create_engine(db_url), config, prefix=prefix, timeout_s=timeout_s)
+    if prometheus:
+        metrics.status_observed(len(report.in_doubt) + len(report.sinks_in_doubt),
+                                len(report.heuristic),
+                                report.active_transaction_open_time_max_ms / 1000)
+        click.echo(metrics.exposition(), nl=False)
+        return
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=2))
     else:

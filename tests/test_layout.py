@@ -17,15 +17,21 @@ PACKAGE = Path(dualwrite.__file__).resolve().parent
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "deadline": set(),
+    "metrics": set(),
     "participant": set(),
     "database": set(),
-    "writer": {"participant", "database"},
-    "batch": {"participant", "database"},
-    "recovery": {"participant", "database", "writer", "batch"},
-    "spark": {"participant", "database", "batch"},
-    "cli": {"participant", "database", "batch", "recovery", "dev"},
+    "writer": {"participant", "database", "metrics"},
+    "batch": {"participant", "database", "metrics"},
+    "recovery": {"participant", "database", "writer", "batch", "metrics"},
+    "spark": {"participant", "database", "batch", "metrics"},
+    "cli": {"participant", "database", "batch", "recovery", "dev", "metrics"},
     "dev": set(),
 }
+
+
+# Documented, public functions whose names start with an underscore: ``os._exit`` (the recovery
+# daemon leaves without joining a pass it abandons).
+PUBLIC_UNDERSCORED = {"_exit": ("os",)}
 
 
 def _modules() -> list[Path]:
@@ -71,7 +77,7 @@ def test_no_module_uses_another_modules_underscore_names() -> None:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             own = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-                and node.value.id in ("self", "cls")
+                and node.value.id in ("self", "cls", *PUBLIC_UNDERSCORED.get(node.attr, ()))
             if (isinstance(node, ast.Attribute) and node.attr[:1] == "_"
                     and node.attr[1:2].islower() and not own):
                 wrong.append(f"{path.relative_to(PACKAGE)}:{node.lineno} .{node.attr}")

@@ -194,6 +194,17 @@ print(f"orders: {len(rows)} rows, {len(keys)} records, equal={rows == keys}, ope
 EOF
 """
 
+# `recover --watch` in the background until its first pass, one scrape of its /metrics, SIGTERM.
+WATCH = (
+    """PORT=$("$VENV_PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); """
+    """print(s.getsockname()[1])"); """
+    """.venv/bin/dualwrite recover --watch 1 --metrics-port "$PORT" > watch.log 2>&1 & pid=$!; """
+    """for _ in $(seq 300); do grep -q "pass 1: ok" watch.log && break; sleep 0.2; done; """
+    """"$VENV_PYTHON" -c "import sys, urllib.request; """
+    """print(urllib.request.urlopen(sys.argv[1]).read().decode())" """
+    """"http://127.0.0.1:$PORT/metrics" | grep "^dualwrite_recovery_passes_total"; """
+    """kill -TERM $pid; wait $pid; cat watch.log""")
+
 SCENARIOS = [
     Scenario(
         "quickstart",
@@ -327,6 +338,10 @@ export DUALWRITE_DATABASE_URL="$SCENARIO_DATABASE_URL"
             ("dualwrite status  --db URL -b HOST:PORT [--json]",
              '.venv/bin/dualwrite status --db "$DUALWRITE_DATABASE_URL" '
              '-b "$DUALWRITE_BOOTSTRAP_SERVERS" --json >/dev/null && echo status-ok'),
+            ("dualwrite recover --watch 30 --db URL -b HOST:PORT [--metrics-port 9464]", WATCH),
+            ("dualwrite status  --db URL -b HOST:PORT --prometheus",
+             '.venv/bin/dualwrite status --db "$DUALWRITE_DATABASE_URL" '
+             '-b "$DUALWRITE_BOOTSTRAP_SERVERS" --prometheus | grep "^dualwrite_in_doubt "'),
             ("dualwrite force-terminate -b HOST:PORT -t ID [--force]",
              '.venv/bin/dualwrite force-terminate -b "$DUALWRITE_BOOTSTRAP_SERVERS" '
              "-t readme-verbs --yes"),
@@ -348,7 +363,10 @@ export DUALWRITE_DATABASE_URL="$SCENARIO_DATABASE_URL"
         expect=((r'"transactional_id": "readme-verbs"', 1), (r"^status-ok$", 1),
                 (r"is at revision \w+", 2), (r"^dualwrite: supported", 1),
                 (r"^created topic cli-verbs-2", 1), (r"^stopped the dev cluster", 1),
-                (r"is already running at", 1)),
+                (r"is already running at", 1),
+                (r'^dualwrite_recovery_passes_total\{result="ok"\} [1-9]', 1),
+                (r"pass 1: ok in .*; in doubt 0", 1), (r"stopped \(signal\)$", 1),
+                (r"^dualwrite_in_doubt 0\.0$", 1)),
     ),
 ]
 

@@ -31,6 +31,7 @@ from typing import Any, Literal, TypeVar
 
 from sqlalchemy import Engine
 
+from dualwrite import metrics
 from dualwrite.batch.decision_log import (
     DecisionLog,
     Participant,
@@ -437,6 +438,7 @@ class BatchCoordinator:
             return True
         raise failure
 
+    @metrics.records_batches
     def finish(self, batch_id: int, participants: Sequence[Participant]) -> BatchTimings | None:
         """Verify, decide, commit, complete, sweep. None if the batch was decided before.
 

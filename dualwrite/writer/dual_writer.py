@@ -28,6 +28,7 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
+from dualwrite import metrics
 from dualwrite.database import bounded_wait, create_engine, database_error
 from dualwrite.deadline import MARGIN_S, Deadline, current_deadline, deadline_scope
 from dualwrite.errors import (
@@ -37,6 +38,7 @@ from dualwrite.errors import (
     FatalError,
     HeuristicAbortError,
     HeuristicCommitError,
+    HeuristicOutcomeError,
     OutcomeUnknownError,
     ProducerFencedError,
     RetriableError,
@@ -254,6 +256,9 @@ class DualWriter:
 
     ``take_over``: start even if a live process holds this id's lease (another writer, which is
     then fenced); without it such a start raises :class:`FatalError` (docs/design.md, "Leases").
+
+    ``metrics_role``: the ``role`` label of its metrics (:mod:`dualwrite.metrics`; ``"pool"``
+    for a :class:`~dualwrite.writer.DualWriterPool`'s writers).
     """
 
     def __init__(self, engine: Engine | str, kafka_config: Mapping[str, Any], *,
@@ -261,9 +266,15 @@ class DualWriter:
                  on_heuristic_abort: HeuristicHook | None = None,
                  timeout_s: float = 30.0, state_store: StateStore | None = None,
                  verify: Literal["auto", "always"] = "auto",
-                 hooks: PhaseHooks | None = None, take_over: bool = False) -> None:
+                 hooks: PhaseHooks | None = None, take_over: bool = False,
+                 metrics_role: metrics.Role = "writer") -> None:
         if verify not in ("auto", "always"):
             raise ConfigurationError(f"verify must be 'auto' or 'always', not {verify!r}")
+        if metrics_role not in metrics.ROLES:
+            raise ConfigurationError(f"metrics_role must be one of {metrics.ROLES}")
+        self._role = metrics_role
+        self._heuristic_counted = ""
+        """The last heuristic outcome counted (one raised again at each start counts once)."""
         self._verify_mode = verify
         self._hooks = hooks if hooks is not None else _NO_HOOKS
         config = check_kafka_config(kafka_config)
@@ -407,6 +418,7 @@ class DualWriter:
             if self._hook is None:
                 raise
             log.error("heuristic abort, calling the re-publish hook: %s", exc)
+            metrics.heuristic_outcome(self._role, exc)
             self._hook(exc, conn)
             self._store.write(conn, self._tid, "")
             try:
@@ -522,15 +534,31 @@ class DualWriter:
                 "transaction at a time; run one writer (with its own transactional id) per "
                 "thread")
         self._busy_thread = threading.current_thread()
+        ended: BaseException | None = None
         try:
-            yield from self._transaction()
+            yield from self._transaction(metrics.PhaseClock(self._role))
+        except BaseException as exc:
+            ended = exc
+            raise
         finally:
+            self._count(ended)
             if self._conn is not None:
                 self._conn.retire()  # a reference kept from the block refuses from now on
             self._busy_thread = None
             self._busy.release()
 
-    def _transaction(self) -> Generator[DualWriteTransaction, None, None]:
+    def _count(self, exc: BaseException | None) -> None:
+        """Count the transaction's outcome; a heuristic outcome raised again (for the same
+        stored state, at each start until acknowledged) counts once."""
+        if isinstance(exc, HeuristicOutcomeError):
+            seen = str(getattr(exc, "state", exc))
+            if seen == self._heuristic_counted:
+                return
+            self._heuristic_counted = seen
+        metrics.transaction_ended(self._role, exc)
+
+    def _transaction(self, clock: metrics.PhaseClock
+                     ) -> Generator[DualWriteTransaction, None, None]:
         """:meth:`transaction`'s protocol, once it is known to be the only one open."""
         # One deadline for dualwrite's own waits (dualwrite.deadline), paused while the block
         # runs: the application's own time is not dualwrite's to bound.
@@ -554,12 +582,14 @@ class DualWriter:
                     raise
                 tx = DualWriteTransaction(conn, producer)
         self._budget_left = deadline.left()
+        clock.lap("begin")
         try:
             self._hooks.kafka_begun()
             try:
                 yield tx
             finally:
                 tx.end()
+                clock.restart()  # the block's time is the application's
             if tx.misuse is not None:  # the application caught the refusal and went on
                 raise TransactionStateError(
                     f"transactional_id={self._tid}: the block misused tx.connection and was "
@@ -577,6 +607,7 @@ class DualWriter:
                                                    self._verify, producer, state)
                     self._store.write(conn, self._tid, str(state))
                     verified.result()
+            clock.lap("prepare")
         except BaseException as exc:
             tx.end()  # (a hook may fail before the block ran)
             held, producer = tx.bound()
@@ -593,7 +624,7 @@ class DualWriter:
             raise
         try:
             with self._resumed_deadline():
-                self._decide(conn, producer, state, state_written=verify)
+                self._decide(conn, producer, state, state_written=verify, clock=clock)
         except BaseException:
             self._drop_connection()  # after a failure mid-commit its state is not known
             # Commit failures can start a new producer session: claim again before the next.
@@ -921,7 +952,7 @@ class DualWriter:
         return timeout_ms is None or producer.open_for_s * 1000 > timeout_ms / 2
 
     def _decide(self, conn: Connection, producer: TwoPhaseProducer, state: PreparedTxnState,
-                *, state_written: bool) -> None:
+                *, state_written: bool, clock: metrics.PhaseClock) -> None:
         """Commit the database (the decision), then Kafka; an unknown DB outcome is asked for."""
         try:
             if state_written:
@@ -945,8 +976,10 @@ class DualWriter:
                     raise
                 raise database_error(exc, self._engine.url) from exc
             log.warning("the database did commit transactional_id=%s state=%s", self._tid, state)
+        clock.lap("decide")
         self._hooks.database_committed(state)
         producer.commit_transaction()
+        clock.lap("kafka_commit")
 
     def _database_committed(self, state: PreparedTxnState, locked: StateRow | None) -> bool:
         """Whether the decision's database transaction committed: asked by its id of the server

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
+from dualwrite import metrics
 from dualwrite.database import (
     advisory_keys,
     create_engine,
@@ -394,6 +395,7 @@ class DualWriterPool:
             self._slots.release_all()
             raise
         self._free.extend(self._all)
+        self._usage = metrics.PoolUsage(id_prefix, len(self._all))
         if group_commit:
             for slot in self._all:
                 t = threading.Thread(target=self._drive, args=(slot,), daemon=True,
@@ -505,7 +507,7 @@ class DualWriterPool:
     def _new_writer(self, tid: str) -> DualWriter:
         # The id's slot is this pool's: a writer lease still held is that of a pool whose slot
         # session died, which gives the id up at its next check; take it over.
-        kw = {"take_over": True, **self._writer_kw}
+        kw = {"take_over": True, "metrics_role": "pool", **self._writer_kw}
         return DualWriter(self._engine, self._config, transactional_id=tid, **kw)
 
     def _writer(self, slot: _Slot) -> DualWriter:
@@ -541,6 +543,7 @@ class DualWriterPool:
                     self._free.popleft()
                 if self._free:
                     self._busy += 1
+                    self._usage.taken()
                     return self._free.popleft()  # the longest rested: see FACTS.md
                 left = deadline - time.monotonic()
                 if left <= 0 or not any(not s.lost for s in self._all):
@@ -552,6 +555,7 @@ class DualWriterPool:
     def _checkin(self, slot: _Slot) -> None:
         if slot.lost:
             self._retire(slot, "its id was taken by another process")
+        self._usage.returned()
         with self._lock:
             self._busy -= 1
             if not slot.lost:
@@ -695,6 +699,7 @@ class DualWriterPool:
         stop = False
         error: BaseException | None = None
         tx: DualWriteTransaction | None = None
+        self._usage.taken()
         try:
             writer = self._writer(slot)
             with writer.transaction() as tx:
@@ -725,6 +730,8 @@ class DualWriterPool:
             if breaks_writer(exc):
                 self._retire(slot, exc)
         slot.ended = time.monotonic()
+        self._usage.returned()
+        metrics.observe_group_size(self._prefix, len(group))
         if first not in group:
             group.append(first)  # the transaction failed before its turn
         state = tx.state if tx is not None and error is None else None
@@ -827,6 +834,7 @@ class DualWriterPool:
         self._keeper.join()
         self._close_writers()
         self._slots.release_all()
+        self._usage.close()
         log.info("writer pool %s closed", self._prefix)
 
     def _close_writers(self) -> None:
