@@ -178,6 +178,6 @@ def test_a_zombie_after_revocation_cannot_commit(setup: Setup) -> None:
         zombie.stop()
         thread.join(60)
     zombie.close()
+    setup.check_once(ids)
     assert zombie.fenced_batches == 1
     assert result == [0]
-    setup.check_once(ids)

@@ -286,8 +286,8 @@ class ExactlyOnceConsumer:
     def run(self, handler: Handler, *, stop_after: int | None = None,
             idle_s: float | None = None) -> int:
         """Consume and decide batches until :meth:`stop`, until ``stop_after`` messages were
-        decided by this call, or until no message came for ``idle_s`` seconds; returns the
-        number decided.
+        decided by this call, or until no message came for ``idle_s`` seconds while it owned
+        partitions; returns the number decided.
 
         An exception of the handler or of the decision propagates after both sides rolled back;
         the consumer finds its place again from the database on the next call. A batch refused
@@ -300,7 +300,9 @@ class ExactlyOnceConsumer:
         while not self._stop.is_set():
             batch = self._collect()
             if not batch:
-                if idle_s is not None and time.monotonic() - idle_since >= idle_s:
+                if not self._generations:  # no partition (yet, or mid-rebalance): not idle
+                    idle_since = time.monotonic()
+                elif idle_s is not None and time.monotonic() - idle_since >= idle_s:
                     break
                 continue
             idle_since = time.monotonic()
