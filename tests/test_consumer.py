@@ -181,3 +181,25 @@ def test_a_zombie_after_revocation_cannot_commit(setup: Setup) -> None:
     setup.check_once(ids)
     assert zombie.fenced_batches == 1
     assert result == [0]
+
+
+def test_recover_finishes_a_crashed_workers_decided_batch(setup: Setup) -> None:
+    """SIGKILL between the database COMMIT and Kafka's: ``dualwrite recover`` finds the
+    worker's transactional id in the state table and commits the decided batch's records; a
+    restart then goes on from the decided positions."""
+    ids = [f"c{i}" for i in range(60)]
+    setup.produce_inputs(ids)
+    killed = setup.worker("--kill-phase", "database_committed", "--kill-at-batch", "2",
+                          "--max-batch", "20")
+    out, _ = killed.communicate(timeout=90)
+    assert killed.returncode == -9, out
+    report = dualwrite.recover(setup.db, {"bootstrap.servers": setup.bootstrap})
+    tid = f"dualwrite-consumer-{setup.group}-0"
+    assert [(r.transactional_id, r.outcome) for r in report.results] == [
+        (tid, dualwrite.Outcome.COMMITTED)]
+    decided = Counter(setup.effects())
+    assert Counter(read_committed_keys(setup.bootstrap, setup.output)) == decided
+    resumed = setup.worker("--idle-s", "3", "--max-batch", "20")
+    out, _ = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, out
+    setup.check_once(ids)
