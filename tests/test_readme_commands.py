@@ -300,6 +300,19 @@ SCENARIOS = [
                 (r"^ +8 async-gc ", 1), (r"^memory per pooled writer", 1),
                 (r"^SUMMARY: .*verified OK", 1)),
     ),
+    Scenario(
+        "payments-consumer",
+        ("dualwrite dev up --topic payments --topic order-paid",),
+        edits=(("--crash-after-db-commit 2      # exits with -9",
+                "--crash-after-db-commit 2 || [ $? -eq 137 ]"),
+               ("status --db sqlite:///payments.db   #",
+                "status --db sqlite:///payments.db || [ $? -eq 5 ] #")),
+        expect=((r"^fed 200 orders and their payments$", 1),
+                (r"^killed after the database committed batch 2$", 1),
+                (r"dualwrite-consumer-payments-consumer-0 +in-doubt", 1),
+                (r"^\d+ payments consumed as dualwrite-consumer-payments-consumer-0", 1),
+                (re.escape(VERIFIED), 1)),
+    ),
     # Last: its `dev down` stops the module's dev cluster.
     Scenario(
         "cli-verbs",
