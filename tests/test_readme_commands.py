@@ -194,6 +194,36 @@ print(f"orders: {len(rows)} rows, {len(keys)} records, equal={rows == keys}, ope
 EOF
 """
 
+CONSUMER_SETUP = """
+import os
+from confluent_kafka import Producer
+import sqlalchemy as sa
+import dualwrite as dw
+from dualwrite.dev import create_topic
+bootstrap = os.environ["DUALWRITE_BOOTSTRAP_SERVERS"]
+suffix = os.urandom(4).hex()
+for name in ("payments", "order-paid"):
+    create_topic(bootstrap, f"{name}-{suffix}", 3)
+dw.upgrade_database(os.environ["DUALWRITE_DATABASE_URL"])
+engine = dw.create_engine(os.environ["DUALWRITE_DATABASE_URL"])
+with engine.begin() as conn:
+    conn.execute(sa.text("CREATE TABLE orders (order_id TEXT PRIMARY KEY, paid BOOLEAN)"))
+    for i in range(20):
+        conn.execute(sa.text("INSERT INTO orders VALUES (:o, FALSE)"), {"o": f"o{i}"})
+producer = Producer({"bootstrap.servers": bootstrap})
+for i in range(20):
+    producer.produce(f"payments-{suffix}", key=f"o{i}", value=f'{{"order_id": "o{i}"}}')
+producer.flush(30)
+"""
+
+CONSUMER_CHECK = """
+from dualwrite.dev import read_committed
+with engine.connect() as conn:
+    paid = conn.execute(sa.text("SELECT count(*) FROM orders WHERE paid")).scalar()
+records, unfinished = read_committed(bootstrap, f"order-paid-{suffix}", timeout_s=30)
+print(f"consumer: {paid} paid, {len(records)} order-paid, open={unfinished}")
+"""
+
 SCENARIOS = [
     Scenario(
         "quickstart",
@@ -299,6 +329,17 @@ SCENARIOS = [
         expect=((r"recover\(\) over 5 in-doubt transactional ids", 1),
                 (r"^ +8 async-gc ", 1), (r"^memory per pooled writer", 1),
                 (r"^SUMMARY: .*verified OK", 1)),
+    ),
+    Scenario(
+        "consumer",
+        ("consumer = dw.ExactlyOnceConsumer(",),
+        edits=(('"127.0.0.1:9092"', "bootstrap"),
+               ('topics=["payments"]', 'topics=[f"payments-{suffix}"]'),
+               ('tx.produce("order-paid"', 'tx.produce(f"order-paid-{suffix}"'),
+               ("consumer.run(handle)", "consumer.run(handle, stop_after=20)")),
+        setup=CONSUMER_SETUP,
+        check=CONSUMER_CHECK,
+        expect=((r"^consumer: 20 paid, 20 order-paid, open=\[\]$", 1),),
     ),
     Scenario(
         "payments-consumer",
