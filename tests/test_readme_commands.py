@@ -310,11 +310,15 @@ SCENARIOS = [
     ),
     Scenario(
         "bench",
-        ("./run.sh bench [--iterations 200]", "./run.sh bench service [--quick]",
-         "./run.sh bench spark [--quick]"),
+        ("./run.sh bench [--iterations 200]", "./run.sh bench consumer [--messages",
+         "./run.sh bench service [--quick]", "./run.sh bench spark [--quick]"),
         edits=(("./run.sh bench [--iterations 200] [--sizes 1,1000] [--recover-ids 1000] "
                 "[--pause-ms 10] [--db URL]",
                 './run.sh bench --iterations 8 --sizes 1 --recover-ids 5 '
+                '--db "$DUALWRITE_DATABASE_URL"'),
+               ("./run.sh bench consumer [--messages 20000] [--batch 500] [--rounds 3] "
+                "[--db URL]",
+                "./run.sh bench consumer --messages 300 --batch 50 --rounds 1 "
                 '--db "$DUALWRITE_DATABASE_URL"'),
                ("./run.sh bench service [--quick] [--seconds 5] [--clients 1,8,32,128] "
                 "[--size 16]\n                       [--cases naive,outbox,pool,pool-gc,async-gc]"
@@ -328,7 +332,8 @@ SCENARIOS = [
                 './run.sh bench spark --quick --db-url "$DUALWRITE_DATABASE_URL"')),
         expect=((r"recover\(\) over 5 in-doubt transactional ids", 1),
                 (r"^ +8 async-gc ", 1), (r"^memory per pooled writer", 1),
-                (r"^SUMMARY: .*verified OK", 1)),
+                (r"^SUMMARY: .*verified OK", 1),
+                (r"^SUMMARY: exactly-once / at-least-once = [\d.]+x", 1)),
     ),
     Scenario(
         "consumer",
