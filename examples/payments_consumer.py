@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
 
 import dualwrite as dw
 from dualwrite.participant import PreparedTxnState
@@ -63,14 +64,13 @@ def ensure_topics(bootstrap: str, names: Sequence[str]) -> None:
 def feed(engine: sa.Engine, bootstrap: str, topic: str, n: int) -> None:
     """N unpaid orders in the database, one payment for each in ``topic``."""
     run = uuid.uuid4().hex[:6]
-    rows = [{"order_id": f"order-{run}-{i}", "amount_cents": 100 + i} for i in range(n)]
+    ids = [(f"order-{run}-{i}", 100 + i) for i in range(n)]
     with engine.begin() as conn:
-        conn.execute(orders.insert(), rows)
+        conn.execute(orders.insert(), [{"order_id": o, "amount_cents": a} for o, a in ids])
     producer = Producer({"bootstrap.servers": bootstrap})
-    for row in rows:
-        payment = {"payment_id": f"pay-{row['order_id']}", "order_id": row["order_id"],
-                   "amount_cents": row["amount_cents"]}
-        producer.produce(topic, key=row["order_id"], value=json.dumps(payment))
+    for order_id, amount in ids:
+        payment = {"payment_id": f"pay-{order_id}", "order_id": order_id, "amount_cents": amount}
+        producer.produce(topic, key=order_id, value=json.dumps(payment))
     producer.flush(30)
     print(f"fed {n} orders and their payments")
 
