@@ -20,9 +20,10 @@ from confluent_kafka import Producer
 
 import dualwrite
 from dualwrite import ConsumedMessage, DualWriteTransaction, ExactlyOnceConsumer
-from dualwrite.dev import KafkaTarget
+from dualwrite.dev import KafkaTarget, LocalKafkaCluster
 from dualwrite.participant import ControlPlane, TxnState
 from tests._db_helpers import fresh_schema
+from tests.conftest import BACKEND, KAFKA_VERSION
 from tests.test_crash_matrix import read_committed_keys
 
 WORKER = Path(__file__).resolve().parent / "consumer_worker.py"
@@ -203,3 +204,60 @@ def test_recover_finishes_a_crashed_workers_decided_batch(setup: Setup) -> None:
     out, _ = resumed.communicate(timeout=120)
     assert resumed.returncode == 0, out
     setup.check_once(ids)
+
+
+@pytest.fixture(scope="module")
+def private_kafka() -> Iterator[LocalKafkaCluster]:
+    """A broker of this module's own, to SIGKILL (the shared one is never stopped)."""
+    with LocalKafkaCluster(brokers=1, kafka_version=KAFKA_VERSION, backend=BACKEND) as cluster:
+        yield cluster
+
+
+@pytest.mark.slow  # a broker of its own: ~50 s to start, ~45 s to run (./run.sh test --soak)
+def test_broker_bounce_under_load(private_kafka: LocalKafkaCluster, new_topic: object,
+                                  postgres_url: str) -> None:
+    """SIGKILL of the only broker while a consumer decides batches and a producer feeds it;
+    the application's loop calls run() again on a typed retriable/recoverable error. In the
+    end each input's row and output record once, nothing open."""
+    create = new_topic
+    with fresh_schema(postgres_url, "dw_consumer") as url:
+        dualwrite.upgrade_database(url)
+        engine = dualwrite.create_engine(url)
+        with engine.begin() as conn:
+            conn.execute(sa.text("CREATE TABLE effects (input_id TEXT NOT NULL, worker INT)"))
+        engine.dispose()
+        setup = Setup(private_kafka.bootstrap_servers, url, f"g-{uuid.uuid4().hex[:8]}",
+                      create(private_kafka, partitions=3),  # type: ignore[operator]
+                      create(private_kafka, partitions=3))  # type: ignore[operator]
+        ids = [f"b{i}" for i in range(400)]
+        feeder = threading.Thread(target=setup.produce_inputs, args=(ids, 20))
+        feeder.start()
+        errors: list[str] = []
+        stop = threading.Event()
+
+        def loop() -> None:
+            with consumer_of(setup, max_batch=20) as consumer:
+                while not stop.is_set():
+                    try:
+                        consumer.run(handler_for(setup), idle_s=1)
+                    except (dualwrite.RetriableError, dualwrite.RecoverableError) as exc:
+                        errors.append(type(exc).__name__)
+                        time.sleep(0.5)
+
+        thread = threading.Thread(target=loop)
+        thread.start()
+        time.sleep(4)
+        private_kafka.kill_broker(0)
+        time.sleep(2)
+        private_kafka.restart_broker(0)
+        feeder.join(120)
+
+        def all_done() -> bool:
+            return len(setup.effects()) == len(ids)
+        deadline = time.monotonic() + 90
+        while not all_done() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        stop.set()
+        thread.join(60)
+        print("errors the loop saw:", Counter(errors))
+        setup.check_once(ids)
