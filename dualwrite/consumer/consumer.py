@@ -170,9 +170,10 @@ class ExactlyOnceConsumer:
     def start(self) -> None:
         """Take a transactional id, finish what its last session left in doubt, and join the
         group (``run`` starts on first use)."""
+        if self._writer is None:
+            self._writer = self._start_writer()
         if self._consumer is not None:
             return
-        self._writer = self._start_writer()
         try:
             self._consumer = Consumer(librdkafka_config(self._consumer_config))
             self._consumer.subscribe(self._topics, on_assign=self._on_assign,
@@ -348,8 +349,19 @@ class ExactlyOnceConsumer:
         return self._pending
 
     def _raise_callback_error(self) -> None:
+        """An assignment whose positions could not be read left this member with nothing to
+        read: leave the group (the next ``run`` joins again) and raise what failed."""
         error, self._callback_error = self._callback_error, None
         if error is not None:
+            consumer, self._consumer = self._consumer, None
+            self._generations.clear()
+            self._next.clear()
+            self._resync.clear()
+            if consumer is not None:
+                try:
+                    consumer.close()
+                except (KafkaException, RuntimeError) as exc:
+                    log.info("consumer group %s: close: %s", self._group, exc)
             raise error
 
     def _decide(self, batch: list[ConsumedMessage], handler: Handler) -> int:
