@@ -264,3 +264,19 @@ def test_broker_bounce_under_load(private_kafka: LocalKafkaCluster, new_topic: o
         thread.join(60)
         print("errors the loop saw:", Counter(errors))
         setup.check_once(ids)
+
+
+@pytest.mark.parametrize("kw", [
+    {"group_id": "", "topics": ["a"]},
+    {"group_id": "x" * 201, "topics": ["a"]},
+    {"group_id": "g", "topics": "a"},
+    {"group_id": "g", "topics": ["a"], "max_batch": 0},
+    {"group_id": "g", "topics": ["a"], "max_batch_s": 0},
+    {"group_id": "g", "topics": ["a"],
+     "consumer_config": {"partition.assignment.strategy": "cooperative-sticky"}},
+    {"group_id": "g", "topics": ["a"], "consumer_config": {"group.protocol": "consumer"}},
+])
+def test_settings_it_cannot_honour_are_refused_at_once(kw: dict[str, object]) -> None:
+    with pytest.raises(dualwrite.ConfigurationError):
+        ExactlyOnceConsumer("sqlite://", {"bootstrap.servers": "127.0.0.1:1"},
+                            **kw)  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ from confluent_kafka import TopicPartition as KafkaPartition
 from sqlalchemy import Engine
 
 from dualwrite.consumer.positions import NO_POSITION, Partition, PositionStore
-from dualwrite.database import create_engine, database_error
+from dualwrite.database import MAX_SINK_ID, create_engine, database_error
 from dualwrite.errors import (
     ConfigurationError,
     DualWriteError,
@@ -112,8 +112,9 @@ class ExactlyOnceConsumer:
                  timeout_s: float = 30.0, consumer_config: Mapping[str, Any] | None = None,
                  hooks: PhaseHooks | None = None) -> None:
         config = check_kafka_config(kafka_config)
-        if not isinstance(group_id, str) or not group_id:
-            raise ConfigurationError("ExactlyOnceConsumer needs a group_id (a non-empty str)")
+        if not isinstance(group_id, str) or not group_id or len(group_id) > MAX_SINK_ID:
+            raise ConfigurationError("ExactlyOnceConsumer needs a group_id (a non-empty str of "
+                                     f"at most {MAX_SINK_ID} characters)")
         if isinstance(topics, str) or not topics or not all(isinstance(t, str) and t
                                                             for t in topics):
             raise ConfigurationError("topics must be a non-empty list of topic names")
