@@ -70,6 +70,10 @@ case "$cmd" in
             shift
             exec "$VENV/bin/python" bench/bench_spark.py "$@"
         fi
+        if [ "${1:-}" = consumer ]; then
+            shift
+            exec "$VENV/bin/python" bench/bench_consumer.py "$@"
+        fi
         if [ "${1:-}" = service ]; then
             shift
             exec "$VENV/bin/python" bench/bench_service.py "$@"

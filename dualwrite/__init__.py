@@ -2,10 +2,12 @@
 
 What an application and an operator use is re-exported here. The roles of the two-phase commit
 live in subpackages with their own ``__all__`` (see docs/architecture.md): ``participant``
-(the Kafka side), ``writer``, ``batch``, ``recovery``, ``database``, ``spark`` and ``dev``.
+(the Kafka side), ``writer``, ``consumer``, ``batch``, ``recovery``, ``database``, ``spark``
+and ``dev``.
 """
 
 from dualwrite import errors
+from dualwrite.consumer import ConsumedMessage, ExactlyOnceConsumer
 from dualwrite.database import check_schema, create_engine, upgrade_database
 from dualwrite.errors import *  # noqa: F403 (every error is API: errors.__all__)
 from dualwrite.participant import PreparedTxnState, TwoPhaseProducer
@@ -38,9 +40,11 @@ __all__ = [
     "AsyncTransaction",
     "AuthenticationError",
     "AuthorizationError",
+    "ConsumedMessage",
     "DualWriteTransaction",
     "DualWriter",
     "DualWriterPool",
+    "ExactlyOnceConsumer",
     "GroupedTransaction",
     "OpenTransaction",
     "Outcome",

@@ -35,6 +35,7 @@ __all__ = [
     "MigrationRequiredError",
     "OutcomeUnknownError",
     "OutcomeUnreadableError",
+    "PartitionFencedError",
     "ProducerFencedError",
     "RecordTooLargeError",
     "RecoverableError",
@@ -90,6 +91,13 @@ class DatabaseUnreachableError(RetriableError):
 class TransactionConflictError(RetriableError):
     """The database rolled the transaction back to resolve a conflict with a concurrent one
     (serialization failure, deadlock); nothing was written, run the transaction again."""
+
+
+class PartitionFencedError(RetriableError):
+    """An exactly-once consumer's batch was refused: another consumer of its group owns an input
+    partition of the batch now (a rebalance moved it). Nothing of the batch committed (rows,
+    records and positions rolled back together); the new owner consumes from the decided
+    position."""
 
 
 class ProducerFencedError(FatalError):

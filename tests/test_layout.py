@@ -22,9 +22,10 @@ ALLOWED: dict[str, set[str]] = {
     "database": set(),
     "writer": {"participant", "database", "metrics"},
     "batch": {"participant", "database", "metrics"},
-    "recovery": {"participant", "database", "writer", "batch", "metrics"},
+    "consumer": {"participant", "database", "writer", "metrics"},
+    "recovery": {"participant", "database", "writer", "batch", "consumer", "metrics"},
     "spark": {"participant", "database", "batch", "metrics"},
-    "cli": {"participant", "database", "batch", "recovery", "dev", "metrics"},
+    "cli": {"participant", "database", "batch", "recovery", "dev", "consumer", "metrics"},
     "dev": set(),
 }
 
@@ -100,6 +101,7 @@ def test_the_top_level_exports_the_application_and_operator_api_only() -> None:
     for received in ("BatchHeuristicAbortError", "KafkaErrorInfo", "RecoveryResult",
                      "SinkStatus", "Outcome", "DualWriter", "DualWriterPool", "GroupedTransaction",
                      "AsyncDualWriterPool", "AsyncTransaction", "recover", "status",
+                     "ExactlyOnceConsumer", "ConsumedMessage", "PartitionFencedError",
                      "open_transactions", "OpenTransaction",
                      "AuthorizationError", "UnknownTopicError", "RecordTooLargeError",
                      "InvalidRecordError", "ConfigurationError"):
@@ -107,8 +109,8 @@ def test_the_top_level_exports_the_application_and_operator_api_only() -> None:
     assert all(hasattr(dualwrite, name) for name in exported)
 
 
-@pytest.mark.parametrize("name", ["participant", "writer", "batch", "recovery", "database",
-                                  "spark", "dev"])
+@pytest.mark.parametrize("name", ["participant", "writer", "consumer", "batch", "recovery",
+                                  "database", "spark", "dev"])
 def test_each_subpackage_declares_its_surface(name: str) -> None:
     module = importlib.import_module(f"dualwrite.{name}")
     assert module.__all__ and all(hasattr(module, n) for n in module.__all__)

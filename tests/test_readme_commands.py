@@ -205,6 +205,36 @@ WATCH = (
     """"http://127.0.0.1:$PORT/metrics" | grep "^dualwrite_recovery_passes_total"; """
     """kill -TERM $pid; wait $pid; cat watch.log""")
 
+CONSUMER_SETUP = """
+import os
+from confluent_kafka import Producer
+import sqlalchemy as sa
+import dualwrite as dw
+from dualwrite.dev import create_topic
+bootstrap = os.environ["DUALWRITE_BOOTSTRAP_SERVERS"]
+suffix = os.urandom(4).hex()
+for name in ("payments", "order-paid"):
+    create_topic(bootstrap, f"{name}-{suffix}", 3)
+dw.upgrade_database(os.environ["DUALWRITE_DATABASE_URL"])
+engine = dw.create_engine(os.environ["DUALWRITE_DATABASE_URL"])
+with engine.begin() as conn:
+    conn.execute(sa.text("CREATE TABLE orders (order_id TEXT PRIMARY KEY, paid BOOLEAN)"))
+    for i in range(20):
+        conn.execute(sa.text("INSERT INTO orders VALUES (:o, FALSE)"), {"o": f"o{i}"})
+producer = Producer({"bootstrap.servers": bootstrap})
+for i in range(20):
+    producer.produce(f"payments-{suffix}", key=f"o{i}", value=f'{{"order_id": "o{i}"}}')
+producer.flush(30)
+"""
+
+CONSUMER_CHECK = """
+from dualwrite.dev import read_committed
+with engine.connect() as conn:
+    paid = conn.execute(sa.text("SELECT count(*) FROM orders WHERE paid")).scalar()
+records, unfinished = read_committed(bootstrap, f"order-paid-{suffix}", timeout_s=30)
+print(f"consumer: {paid} paid, {len(records)} order-paid, open={unfinished}")
+"""
+
 SCENARIOS = [
     Scenario(
         "quickstart",
@@ -291,11 +321,15 @@ SCENARIOS = [
     ),
     Scenario(
         "bench",
-        ("./run.sh bench [--iterations 200]", "./run.sh bench service [--quick]",
-         "./run.sh bench spark [--quick]"),
+        ("./run.sh bench [--iterations 200]", "./run.sh bench consumer [--messages",
+         "./run.sh bench service [--quick]", "./run.sh bench spark [--quick]"),
         edits=(("./run.sh bench [--iterations 200] [--sizes 1,1000] [--recover-ids 1000] "
                 "[--pause-ms 10] [--db URL]",
                 './run.sh bench --iterations 8 --sizes 1 --recover-ids 5 '
+                '--db "$DUALWRITE_DATABASE_URL"'),
+               ("./run.sh bench consumer [--messages 20000] [--batch 500] [--rounds 3] "
+                "[--db URL]",
+                "./run.sh bench consumer --messages 300 --batch 50 --rounds 1 "
                 '--db "$DUALWRITE_DATABASE_URL"'),
                ("./run.sh bench service [--quick] [--seconds 5] [--clients 1,8,32,128] "
                 "[--size 16]\n                       [--cases naive,outbox,pool,pool-gc,async-gc]"
@@ -309,7 +343,32 @@ SCENARIOS = [
                 './run.sh bench spark --quick --db-url "$DUALWRITE_DATABASE_URL"')),
         expect=((r"recover\(\) over 5 in-doubt transactional ids", 1),
                 (r"^ +8 async-gc ", 1), (r"^memory per pooled writer", 1),
-                (r"^SUMMARY: .*verified OK", 1)),
+                (r"^SUMMARY: .*verified OK", 1),
+                (r"^SUMMARY: exactly-once / at-least-once = [\d.]+x", 1)),
+    ),
+    Scenario(
+        "consumer",
+        ("consumer = dw.ExactlyOnceConsumer(",),
+        edits=(('"127.0.0.1:9092"', "bootstrap"),
+               ('topics=["payments"]', 'topics=[f"payments-{suffix}"]'),
+               ('tx.produce("order-paid"', 'tx.produce(f"order-paid-{suffix}"'),
+               ("consumer.run(handle)", "consumer.run(handle, stop_after=20)")),
+        setup=CONSUMER_SETUP,
+        check=CONSUMER_CHECK,
+        expect=((r"^consumer: 20 paid, 20 order-paid, open=\[\]$", 1),),
+    ),
+    Scenario(
+        "payments-consumer",
+        ("dualwrite dev up --topic payments --topic order-paid",),
+        edits=(("--crash-after-db-commit 2      # exits with -9",
+                "--crash-after-db-commit 2 || [ $? -eq 137 ]"),
+               ("status --db sqlite:///payments.db   #",
+                "status --db sqlite:///payments.db || [ $? -eq 5 ] #")),
+        expect=((r"^fed 200 orders and their payments$", 1),
+                (r"^killed after the database committed batch 2$", 1),
+                (r"dualwrite-consumer-payments-consumer-0 +in-doubt", 1),
+                (r"^\d+ payments consumed as dualwrite-consumer-payments-consumer-0", 1),
+                (re.escape(VERIFIED), 1)),
     ),
     Scenario(
         "bench-commit",

@@ -44,8 +44,8 @@ from dualwrite.writer.state_store import (
     writer_connection,
 )
 
-#: The newest schema revision (0003 added the fencing generation).
-HEAD = "0003"
+#: The newest schema revision (0003 added the fencing generation, 0004 the consumer positions).
+HEAD = "0004"
 
 pytestmark = pytest.mark.timeout(120)
 

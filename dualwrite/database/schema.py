@@ -13,6 +13,8 @@ import sqlalchemy as sa
 __all__ = [
     "BATCH_PARTICIPANT",
     "BATCH_SINK",
+    "CONSUMER_POSITION",
+    "CONSUMER_POSITION_TABLE",
     "MAX_LENGTH",
     "MAX_SINK_ID",
     "METADATA",
@@ -30,6 +32,8 @@ STATE_TABLE = "dualwrite_transaction_state"
 #: The batch sinks' decisions and their participants, created by migration 0002.
 SINK_TABLE = "dualwrite_batch_sink"
 PARTICIPANT_TABLE = "dualwrite_batch_participant"
+#: The exactly-once consumers' decided input positions and partition owners, migration 0004.
+CONSUMER_POSITION_TABLE = "dualwrite_consumer_position"
 #: Alembic version table of dualwrite's own migrations (not the application's ``alembic_version``)
 VERSION_TABLE = "dualwrite_alembic_version"
 
@@ -78,6 +82,20 @@ BATCH_PARTICIPANT = sa.Table(
     sa.Column("partition_id", sa.Integer, nullable=False),
     sa.Column("prepared_txn_state", sa.String(MAX_LENGTH), nullable=False),
     sa.Column("records", sa.BigInteger, nullable=False),
+)
+
+
+#: Per (consumer group, topic, partition): the next input offset the last decision consumed up
+#: to, and the owner that may decide for it (raised by every new assignment: the zombie fence).
+CONSUMER_POSITION = sa.Table(
+    CONSUMER_POSITION_TABLE, METADATA,
+    sa.Column("group_id", sa.String(MAX_SINK_ID), primary_key=True),
+    sa.Column("topic", sa.String(MAX_LENGTH), primary_key=True),
+    sa.Column("partition_id", sa.Integer, primary_key=True),
+    sa.Column("next_offset", sa.BigInteger, nullable=False),
+    sa.Column("owner_generation", sa.BigInteger, nullable=False),
+    sa.Column("owner", sa.String(MAX_LENGTH), nullable=False),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
 )
 
 
