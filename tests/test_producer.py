@@ -402,3 +402,40 @@ def test_close_after_fence_does_not_raise(producers: Any, topic: str) -> None:
     with pytest.raises(ProducerFencedError):
         p1.abort_transaction()
     p1.close()
+
+
+class _RequestTimeouts:
+    """A librdkafka ``logger`` that keeps the lines of requests it timed out itself."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def log(self, level: int, msg: str, *args: Any, **kwargs: Any) -> None:
+        line = msg % args if args else msg
+        if "REQTMOUT" in line or "timed out: disconnect" in line:
+            self.lines.append(line)
+
+
+def test_long_transaction_timeout_keeps_requests_from_timing_out_at_once(
+        producers: Any, bootstrap: str, topic: str) -> None:
+    """With ``transaction.timeout.ms`` left to the broker's maximum (an hour here, as on the
+    dev cluster), librdkafka's derived ``socket.timeout.ms`` overflowed its request deadlines:
+    once a second it failed whatever request was in flight (``REQTMOUT ... ProduceRequest in
+    flight (after 9ms)``) and reconnected, a 0.5 s stall in a flush. The producer keeps the
+    socket timeout at librdkafka's default instead. Back-to-back transactions over three
+    partitions for 3 s: no request may time out."""
+    timeouts = _RequestTimeouts()
+    overrides: dict[str, Any] = {"logger": timeouts, "debug": "broker,protocol"}
+    producer = producers(**overrides, **{"transaction.timeout.ms": 3_600_000})
+    producer.init_transactions()
+    ended = time.monotonic() + 3.0
+    transactions = 0
+    while time.monotonic() < ended:
+        producer.begin_transaction()
+        for partition in range(3):
+            producer.produce(topic, b"v", partition=partition)
+        producer.flush_and_state()
+        producer.commit_transaction()
+        transactions += 1
+    assert transactions > 20
+    assert timeouts.lines == [], timeouts.lines[:3]

@@ -96,6 +96,7 @@ class TwoPhaseProducer:
             probe = self._cp.probe(check_2pc=False)
             if probe.max_transaction_timeout_ms:
                 self._config["transaction.timeout.ms"] = probe.max_transaction_timeout_ms
+        _bound_socket_timeout(self._config)
         self._config.setdefault("error_cb", self._on_error)
         self._link = CoordinatorLinkWatch(self._config)
         self._fatal: KafkaError | None = None
@@ -773,6 +774,43 @@ class TwoPhaseProducer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: librdkafka's own default ``socket.timeout.ms``.
+_SOCKET_TIMEOUT_MS = 60_000
+#: The largest ``socket.timeout.ms`` librdkafka handles: it computes a request's deadline as
+#: ``now + socket_timeout_ms * 1000`` in 32-bit ``int`` (2.16.0, rdkafka_buf.c), which wraps past
+#: 2,147,483 ms.
+_SOCKET_TIMEOUT_MAX_MS = 2_147_483
+
+
+def _bound_socket_timeout(config: dict[str, Any]) -> None:
+    """Keep librdkafka's request timeout where it works.
+
+    Unless set, librdkafka derives ``socket.timeout.ms`` from ``transaction.timeout.ms`` (minus
+    100 ms). dualwrite sets the latter to the broker's ``transaction.max.timeout.ms`` (often an
+    hour), and past 35.8 minutes the deadline wraps into the past: librdkafka's once-a-second
+    timeout scan then fails whatever request is in flight or queued at that moment (``REQTMOUT
+    ... Timed out ProduceRequest in flight (after 9ms)``, an AddPartitionsToTxn timed out in the
+    out-queue), disconnects and retries — about 0.5 s lost, measured as the pool's flush p99
+    (bench/README.md). So the socket timeout stays at librdkafka's default unless the
+    transaction timeout is shorter (librdkafka wants it 100 ms below that).
+    """
+    if "socket.timeout.ms" in config:
+        value = config["socket.timeout.ms"]
+        if isinstance(value, int | str) and str(value).strip().isdigit() \
+                and int(value) > _SOCKET_TIMEOUT_MAX_MS:
+            raise ConfigurationError(
+                f"socket.timeout.ms={value} is above {_SOCKET_TIMEOUT_MAX_MS}: librdkafka's "
+                "request deadlines overflow there and its requests time out at once")
+        return
+    txn_timeout = config.get("transaction.timeout.ms")
+    try:
+        txn_ms = None if txn_timeout is None else int(txn_timeout)
+    except (TypeError, ValueError):
+        return  # librdkafka refuses the value itself
+    if txn_ms is not None and txn_ms - 100 > _SOCKET_TIMEOUT_MS:
+        config["socket.timeout.ms"] = _SOCKET_TIMEOUT_MS
 
 
 def _size(data: object) -> int:
