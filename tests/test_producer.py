@@ -439,3 +439,13 @@ def test_long_transaction_timeout_keeps_requests_from_timing_out_at_once(
         transactions += 1
     assert transactions > 20
     assert timeouts.lines == [], timeouts.lines[:3]
+
+
+def test_a_socket_timeout_librdkafka_overflows_is_refused() -> None:
+    """``socket.timeout.ms`` above 2,147,483 wraps librdkafka's request deadlines (every request
+    would time out at once): refused before anything connects."""
+    from dualwrite.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=r"socket\.timeout\.ms=3000000"):
+        TwoPhaseProducer({"bootstrap.servers": "127.0.0.1:1", "transactional.id": "t",
+                          "socket.timeout.ms": 3_000_000})

@@ -80,6 +80,7 @@ class TwoPhaseProducer:
     def __init__(self, config: Mapping[str, Any], *, control_plane: ControlPlane | None = None,
                  timeout_s: float = 30.0) -> None:
         config = check_kafka_config(config)
+        _check_socket_timeout(config)
         tid = config.get("transactional.id")
         if not tid or not isinstance(tid, str):
             raise ConfigurationError("TwoPhaseProducer needs 'transactional.id' (a non-empty str) "
@@ -784,6 +785,16 @@ _SOCKET_TIMEOUT_MS = 60_000
 _SOCKET_TIMEOUT_MAX_MS = 2_147_483
 
 
+def _check_socket_timeout(config: Mapping[str, Any]) -> None:
+    """Refuse a ``socket.timeout.ms`` librdkafka cannot handle (:data:`_SOCKET_TIMEOUT_MAX_MS`)."""
+    value = config.get("socket.timeout.ms")
+    if isinstance(value, int | str) and str(value).strip().isdigit() \
+            and int(value) > _SOCKET_TIMEOUT_MAX_MS:
+        raise ConfigurationError(
+            f"socket.timeout.ms={value} is above {_SOCKET_TIMEOUT_MAX_MS}: librdkafka's request "
+            "deadlines overflow there and its requests time out at once")
+
+
 def _bound_socket_timeout(config: dict[str, Any]) -> None:
     """Keep librdkafka's request timeout where it works.
 
@@ -797,12 +808,6 @@ def _bound_socket_timeout(config: dict[str, Any]) -> None:
     transaction timeout is shorter (librdkafka wants it 100 ms below that).
     """
     if "socket.timeout.ms" in config:
-        value = config["socket.timeout.ms"]
-        if isinstance(value, int | str) and str(value).strip().isdigit() \
-                and int(value) > _SOCKET_TIMEOUT_MAX_MS:
-            raise ConfigurationError(
-                f"socket.timeout.ms={value} is above {_SOCKET_TIMEOUT_MAX_MS}: librdkafka's "
-                "request deadlines overflow there and its requests time out at once")
         return
     txn_timeout = config.get("transaction.timeout.ms")
     try:
