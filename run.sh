@@ -38,10 +38,10 @@ install_python() {
     if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt constraints.txt ]; then
         return 0
     fi
-    say "creating $VENV and installing dualwrite[dev,spark,service,metrics] (pinned by constraints.txt)"
+    say "creating $VENV and installing dualwrite[dev,spark,service,metrics,asyncio] (pinned by constraints.txt)"
     python3 -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev,spark,service,metrics]"
+    "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev,spark,service,metrics,asyncio]"
     touch "$stamp"
 }
 

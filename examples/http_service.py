@@ -13,6 +13,7 @@ in doubt; see examples/README.md for the crash-and-recover walkthrough.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from typing import Any
 
 import sqlalchemy as sa
 import uvicorn
+from sqlalchemy.ext.asyncio import create_async_engine
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -33,21 +35,33 @@ orders = sa.Table("http_orders", metadata,
                   sa.Column("amount_cents", sa.Integer, nullable=False))
 
 
+def async_url(db_url: str) -> sa.URL:
+    """The URL with an async driver: psycopg 3 (async) on PostgreSQL, aiosqlite on SQLite."""
+    url = sa.make_url(db_url)
+    if url.drivername == "postgresql":
+        return url.set(drivername="postgresql+psycopg")
+    if url.drivername in ("sqlite", "sqlite+pysqlite"):
+        return url.set(drivername="sqlite+aiosqlite")
+    return url
+
+
 def make_app(db_url: str, bootstrap: str, topic: str, size: int = 8,
              id_prefix: str = "http-orders") -> Starlette:
-    engine = dw.create_engine(db_url)
+    engine = create_async_engine(async_url(db_url))  # the service's own async engine
     pool = dw.AsyncDualWriterPool(engine, {"bootstrap.servers": bootstrap}, id_prefix=id_prefix,
                                   size=size)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        dw.upgrade_database(engine)
-        metadata.create_all(engine)
+        await asyncio.to_thread(dw.upgrade_database, db_url)
+        async with engine.begin() as conn:
+            await conn.run_sync(metadata.create_all)
         await pool.start()  # claims the ids, finishes what they left in doubt
         try:
             yield
         finally:
             await pool.close()
+            await engine.dispose()
 
     async def create_order(request: Request) -> Response:
         body: dict[str, Any] = await request.json()

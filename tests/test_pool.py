@@ -448,3 +448,54 @@ def test_a_pool_whose_slot_session_died_gives_up_ids_another_pool_took(
         second.close()
         first.close()
     assert assert_invariant(engine, bootstrap, topic) == {"second"}
+
+
+def _async_url(url: str) -> str:
+    """The application's async form of a test database URL."""
+    return url.replace("sqlite:", "sqlite+aiosqlite:", 1) if url.startswith("sqlite:") else url
+
+
+def test_async_pool_takes_an_async_engine(db_url: str, engine: sa.Engine, bootstrap: str,
+                                          topic: str) -> None:
+    """An application's own ``AsyncEngine`` (psycopg 3 async on PostgreSQL, aiosqlite on
+    SQLite) is what it hands the pool: ``await tx.connection.execute(...)`` writes in the
+    request's transaction, a request whose block raises leaves neither row nor record, and the
+    application's engine reads what the requests committed."""
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    async def main() -> tuple[set[str], list[str]]:
+        app_engine = create_async_engine(_async_url(db_url))
+        ok: set[str] = set()
+        try:
+            async with dualwrite.AsyncDualWriterPool(
+                    app_engine, {"bootstrap.servers": bootstrap}, id_prefix=unique("aeng"),
+                    size=2, timeout_s=20) as pool:
+
+                async def client(i: int) -> None:
+                    for n in range(3):
+                        value = f"e{i}-{n}"
+                        try:
+                            async with pool.transaction() as tx:
+                                await tx.connection.execute(
+                                    sa.text("INSERT INTO pool_rows (value) VALUES (:v)"),
+                                    {"v": value})
+                                tx.produce(topic, value, value)
+                                if n == 1:
+                                    raise Boom(value)
+                        except Boom:
+                            continue
+                        ok.add(value)
+
+                await asyncio.gather(*(client(i) for i in range(6)))
+            async with app_engine.connect() as conn:
+                seen = [r[0] for r in await conn.execute(sa.text("SELECT value FROM pool_rows"))]
+        finally:
+            await app_engine.dispose()
+        return ok, seen
+
+    ok, seen = asyncio.run(main())
+    assert len(ok) == 6 * 2
+    assert sorted(seen) == sorted(ok)
+    assert assert_invariant(engine, bootstrap, topic) == ok
