@@ -434,6 +434,14 @@ def test_a_pool_whose_slot_session_died_gives_up_ids_another_pool_took(
             "AND objid = :o AND objsubid = 2"),
             {"c": k1 & 0xFFFFFFFF, "o": k2 & 0xFFFFFFFF}).scalar_one()
         conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+    # pg_terminate_backend only signals: wait until the session (and its slot locks) is gone,
+    # or the second pool, under load, still finds the slots held and takes other numbers.
+    for _ in range(100):
+        with engine.connect() as conn:
+            if not conn.execute(sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :p"),
+                                {"p": pid}).scalar_one():
+                break
+        time.sleep(0.05)
     second = DualWriterPool(engine, kafka, id_prefix=prefix, size=2)
     try:
         assert second.transactional_ids == first.transactional_ids
