@@ -507,3 +507,38 @@ def test_async_pool_takes_an_async_engine(db_url: str, engine: sa.Engine, bootst
     assert len(ok) == 6 * 2
     assert sorted(seen) == sorted(ok)
     assert assert_invariant(engine, bootstrap, topic) == ok
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_a_group_deeper_than_the_kept_savepoints_commits(db_url: str, engine: sa.Engine,
+                                                         bootstrap: str, topic: str) -> None:
+    """Grouped requests' savepoints are kept unreleased up to a depth, then released: 1,100
+    requests of one writer's group (asyncio tasks, so no thread each) all commit. Kept without
+    a bound, SQLAlchemy's recursive end of the savepoint chain raised RecursionError at the
+    COMMIT (and PostgreSQL's subtransaction cache overflows past 64)."""
+    import asyncio
+
+    n = 1100
+
+    async def main() -> tuple[set[str], int]:
+        ok: set[str] = set()
+        states: Counter[str] = Counter()
+        async with dualwrite.AsyncDualWriterPool(
+                db_url, {"bootstrap.servers": bootstrap}, id_prefix=unique("deep"), size=1,
+                max_group_size=n + 10, timeout_s=60, acquire_timeout_s=120) as pool:
+
+            async def client(i: int) -> None:
+                async with pool.transaction() as tx:
+                    await tx.connection.execute(
+                        sa.text("INSERT INTO pool_rows (value) VALUES (:v)"), {"v": f"d{i}"})
+                    tx.produce(topic, f"d{i}", f"d{i}")
+                ok.add(f"d{i}")
+                states[str(tx.state)] += 1
+
+            await asyncio.gather(*(client(i) for i in range(n)))
+        return ok, max(states.values())
+
+    ok, biggest = asyncio.run(main())
+    assert len(ok) == n
+    assert biggest > 100, "no deep group formed"
+    assert assert_invariant(engine, bootstrap, topic) == ok

@@ -302,6 +302,11 @@ class _Request:
 
 _STOP = object()
 
+_KEPT_SAVEPOINTS = 32
+"""How many grouped requests' savepoints a group keeps unreleased at most: PostgreSQL caches 64
+subtransactions per session (past that every snapshot of the server gets slower), and SQLAlchemy
+ends a chain of open savepoints recursively (a RecursionError at about 1,000)."""
+
 
 class _Once:
     """Calls ``fn`` at the first call only."""
@@ -722,7 +727,7 @@ class DualWriterPool:
                     if nxt is None:
                         break
                     group.append(nxt)
-                    self._run_member(conn, tx, nxt)
+                    self._run_member(conn, tx, nxt, keep=len(group) <= _KEPT_SAVEPOINTS)
                     nxt = None
                 collected()
         except BaseException as exc:
@@ -756,9 +761,11 @@ class DualWriterPool:
         if req.body_error is not None:
             raise req.body_error
 
-    def _run_member(self, conn: Connection, tx: DualWriteTransaction, req: _Request) -> None:
+    def _run_member(self, conn: Connection, tx: DualWriteTransaction, req: _Request, *,
+                    keep: bool = True) -> None:
         """Run one request's block (in its own thread) inside a savepoint; produce its records
-        into the group's transaction if it succeeded, roll it back alone if it raised."""
+        into the group's transaction if it succeeded, roll it back alone if it raised.
+        ``keep``: leave the savepoint unreleased if it succeeded (see below)."""
         try:
             savepoint = conn.begin_nested()
         except sa.exc.SQLAlchemyError as exc:
@@ -771,13 +778,15 @@ class DualWriterPool:
         # A savepoint that succeeded is not released: its work commits with the group (the
         # COMMIT ends every savepoint, SQLAlchemy's bookkeeping included), and a RELEASE would
         # be one more round trip in series per request. The next request's savepoint nests in
-        # it, so rolling that one back still undoes that request alone; a group is at most
-        # ``max_group_size`` levels deep.
-        if body_error is not None:
-            try:
+        # it, so rolling that one back still undoes that request alone. Past _KEPT_SAVEPOINTS
+        # levels they are released again (see there).
+        try:
+            if body_error is not None:
                 savepoint.rollback()
-            except sa.exc.SQLAlchemyError as exc:
-                raise database_error(exc, self._engine.url) from exc
+            elif not keep:
+                savepoint.commit()
+        except sa.exc.SQLAlchemyError as exc:
+            raise database_error(exc, self._engine.url) from exc
         if body_error is None:
             for topic, value, key, partition, headers in req.handle.records():
                 tx.produce(topic, value, key, partition=partition, headers=headers)
