@@ -254,19 +254,21 @@ def killed() -> Iterator[list[subprocess.Popen[str]]]:
         p.wait()
 
 
-@pytest.mark.parametrize("finish", ["recover", "smaller-pool"])
+@pytest.mark.parametrize("finish, clients", [("recover", "threads"), ("smaller-pool", "threads"),
+                                             ("recover", "asyncio")])
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
 def test_sigkill_with_decided_groups_in_flight_then_recover(
         db_url: str, engine: sa.Engine, bootstrap: str, topic: str,
-        killed: list[subprocess.Popen[str]], finish: str) -> None:
-    """16 threads over 2 writers with group commit; once 60 requests returned, every writer
-    stops after its group's database COMMIT; SIGKILL. ``dualwrite recover`` — or the start of a
-    pool of one writer with the prefix (its own id by its warm-up, the other as an id nobody
-    runs) — finishes the groups (each with several requests): every committed row's record
-    appears once, every returned request is among them; then a pool serves again."""
+        killed: list[subprocess.Popen[str]], finish: str, clients: str) -> None:
+    """16 threads (or 16 tasks over an AsyncDualWriterPool of an AsyncEngine) over 2 writers
+    with group commit; once 60 requests returned, every writer stops after its group's database
+    COMMIT; SIGKILL. ``dualwrite recover`` — or the start of a pool of one writer with the
+    prefix (its own id by its warm-up, the other as an id nobody runs) — finishes the groups
+    (each with several requests): every committed row's record appears once, every returned
+    request is among them; then a pool serves again."""
     prefix = unique("pool")
     proc = _worker(db_url, bootstrap, topic, prefix, "--size", "2", "--threads", "16",
-                   "--block-after", "60")
+                   "--block-after", "60", *(["--asyncio"] if clients == "asyncio" else []))
     killed.append(proc)
     assert _read_ids(proc) == [f"{prefix}-0", f"{prefix}-1"]
     returned: list[tuple[str, str]] = []
