@@ -27,6 +27,7 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
 import dualwrite as dw
+from dualwrite import metrics
 from dualwrite.participant import PreparedTxnState
 from dualwrite.writer import PhaseHooks
 
@@ -116,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crash-after-db-commit", type=int, default=0, metavar="BATCH")
     parser.add_argument("--idle-s", type=float, default=3.0, help="stop after this long idle")
     parser.add_argument("--verify", action="store_true")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus /metrics on 127.0.0.1:PORT (dualwrite[metrics])")
     args = parser.parse_args(argv)
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
     dw.upgrade_database(args.db)
     engine = dw.create_engine(args.db)
     metadata.create_all(engine)
