@@ -189,7 +189,7 @@ def probe(bootstrap_servers: str | None, kafka_properties: str | None, timeout_s
     ("dualwrite: supported — epoch-resume mode ..." or what is missing). Exit 0 either way
     (the verdict and --json's "supported" say it), 4 when the cluster cannot be reached."""
     config = _kafka_config(bootstrap_servers, kafka_properties)
-    with ControlPlane(config, timeout_s=timeout_s) as cp:
+    with ControlPlane(config, timeout_s=timeout_s, require_support=False) as cp:
         result = cp.probe(check_2pc=not no_2pc_check)
     if as_json:
         click.echo(json.dumps(result.as_dict(), indent=2))

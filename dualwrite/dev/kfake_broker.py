@@ -91,15 +91,17 @@ class LocalKfake(LocalServer):
     """One kfake broker on 127.0.0.1 (node id 0), in memory unless ``data_dir`` is given.
 
     ``broker_config``: kfake's broker settings (``transaction.max.timeout.ms`` ...).
-    ``detach``: the broker outlives this process (``dualwrite dev up``).
+    ``as_version``: offer only the requests (and versions) of that Apache Kafka release, e.g.
+    ``"2.8"`` (no DescribeTransactions or ListTransactions). ``detach``: the broker outlives this process (``dualwrite dev up``).
     """
 
     def __init__(self, *, port: int | None = None, data_dir: Path | None = None,
-                 broker_config: dict[str, str] | None = None, detach: bool = False,
-                 startup_timeout: float = 120.0) -> None:
+                 broker_config: dict[str, str] | None = None, as_version: str | None = None,
+                 detach: bool = False, startup_timeout: float = 120.0) -> None:
         self.port = port
         self.data_dir = data_dir
         self.broker_config = dict(broker_config or {})
+        self.as_version = as_version
         self.detach = detach
         self.startup_timeout = startup_timeout
         self.pid: int | None = None
@@ -122,6 +124,8 @@ class LocalKfake(LocalServer):
         cmd = [str(binary), "-port", str(self.port), "-log-level", "warn"]
         if self.data_dir is not None:
             cmd += ["-data-dir", str(self.data_dir / "data")]
+        if self.as_version:
+            cmd += ["-as-version", self.as_version]
         for key, value in sorted(self.broker_config.items()):
             cmd += ["-c", f"{key}={value}"]
         with open(self._log, "ab") as out:

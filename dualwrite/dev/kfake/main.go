@@ -13,6 +13,7 @@ import (
 	"syscall"
 
 	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kversion"
 )
 
 type brokerConfigs map[string]string
@@ -32,6 +33,7 @@ func main() {
 	port := flag.Int("port", 0, "port on 127.0.0.1 (0 picks a free one)")
 	dataDir := flag.String("data-dir", "", "persist the log here (survives a restart)")
 	logLevel := flag.String("log-level", "warn", "none, error, warn, info or debug")
+	asVersion := flag.String("as-version", "", "offer only the requests of this Kafka release (e.g. 2.8)")
 	configs := make(brokerConfigs)
 	flag.Var(configs, "c", "broker config key=value (repeatable)")
 	flag.Parse()
@@ -47,6 +49,14 @@ func main() {
 	}
 	if *dataDir != "" {
 		opts = append(opts, kfake.DataDir(*dataDir), kfake.SyncWrites())
+	}
+	if *asVersion != "" {
+		versions := kversion.FromString(*asVersion)
+		if versions == nil {
+			fmt.Fprintf(os.Stderr, "kfake: unknown Kafka version %q\n", *asVersion)
+			os.Exit(2)
+		}
+		opts = append(opts, kfake.MaxVersions(versions))
 	}
 	if len(configs) > 0 {
 		opts = append(opts, kfake.BrokerConfigs(configs))
