@@ -19,6 +19,7 @@ ListTransactions) is refused at start-up by the writer, the sink's coordinator a
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -33,8 +34,9 @@ import sqlalchemy as sa
 import dualwrite
 from dualwrite import DualWriter, UnsupportedBrokerError, create_engine
 from dualwrite.batch import BatchCoordinator
-from dualwrite.dev.kfake_broker import LocalKfake
-from dualwrite.errors import OutcomeUnknownError
+from dualwrite.dev._util import pid_alive
+from dualwrite.dev.kfake_broker import LocalKfake, kfake_binary
+from dualwrite.errors import HeuristicAbortError, OutcomeUnknownError
 from dualwrite.participant import (
     ControlPlane,
     PreparedTxnState,
@@ -55,11 +57,7 @@ from tests._kafka_helpers import (
 from tests.test_crash_matrix import CrashLoop
 from tests.test_crash_matrix import pg_db_url as pg_db_url
 
-pytestmark = [
-    pytest.mark.timeout(300),
-    pytest.mark.skipif(shutil.which("go") is None and not Path("/usr/local/go/bin/go").exists(),
-                       reason="needs Go to build the kfake broker (run.sh installs it)"),
-]
+pytestmark = pytest.mark.timeout(300)
 
 VALUES = [b"a1", b"a2", b"a3"]
 INVALID_TXN_STATE = 48
@@ -213,7 +211,44 @@ def test_anchorless_state_after_empty_is_outcome_unknown(cp: ControlPlane, boots
                     timeout_s=10).name == "ALREADY_COMMITTED"
 
 
+def test_broker_timeout_of_a_prepared_transaction_is_a_heuristic_abort(
+        cp: ControlPlane, bootstrap: str, topic: str) -> None:
+    """A prepared transaction the broker timed out reads as aborted at its anchor: completing
+    it raises HeuristicAbortError (the records are lost, the application is told)."""
+    tid = unique("alt-heuristic")
+    state = prepare_open(bootstrap, topic, tid, ["h"], timeout_ms=1000)
+    wait_for(lambda: (d := cp.describe_transaction(tid)) and d.epoch > state.epoch, 15,
+             interval_s=0.2, what="the coordinator's timeout abort")
+    with pytest.raises(HeuristicAbortError):
+        complete(cp, {"bootstrap.servers": bootstrap}, tid, state, timeout_s=10)
+
+
 # -- the participant end to end ------------------------------------------------------------------
+
+
+def test_dev_up_flavour_kfake(kfake: LocalKfake, tmp_path: Path) -> None:
+    """``dualwrite dev up --flavour kfake`` starts a detached broker that probe accepts;
+    ``dev down`` stops it."""
+    (tmp_path / "bin").mkdir()
+    built = kfake_binary()
+    shutil.copy2(built, tmp_path / "bin" / built.name)  # no second go build
+    env = {**os.environ, "DUALWRITE_HOME": str(tmp_path)}
+    cli = [sys.executable, "-m", "dualwrite.cli"]
+    up = subprocess.run([*cli, "dev", "up", "--flavour", "kfake", "--topic", "t:2", "--json"],
+                        capture_output=True, text=True, timeout=120, env=env)
+    assert up.returncode == 0, up.stderr
+    state = json.loads(up.stdout)
+    try:
+        assert state["flavour"] == "kfake" and state["topics"] == ["t"]
+        probe = subprocess.run([*cli, "probe", "-b", state["bootstrap_servers"], "--json"],
+                               capture_output=True, text=True, timeout=60)
+        assert json.loads(probe.stdout)["supported"] is True
+    finally:
+        down = subprocess.run([*cli, "dev", "down"], capture_output=True, text=True,
+                              timeout=60, env=env)
+    assert down.returncode == 0 and "stopped the dev kfake broker" in down.stdout, down.stderr
+    assert not pid_alive(int(state["pid"]))
+
 
 
 def test_crash_between_the_commits_finished_by_recover(bootstrap: str, pg_db_url: str,

@@ -92,7 +92,8 @@ class LocalKfake(LocalServer):
 
     ``broker_config``: kfake's broker settings (``transaction.max.timeout.ms`` ...).
     ``as_version``: offer only the requests (and versions) of that Apache Kafka release, e.g.
-    ``"2.8"`` (no DescribeTransactions or ListTransactions). ``detach``: the broker outlives this process (``dualwrite dev up``).
+    ``"2.8"`` (no DescribeTransactions or ListTransactions).
+    ``detach``: the broker outlives this process (``dualwrite dev up``).
     """
 
     def __init__(self, *, port: int | None = None, data_dir: Path | None = None,
