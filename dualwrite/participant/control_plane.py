@@ -311,7 +311,10 @@ class ControlPlane:
 
     def missing_requests(self) -> list[str]:
         """The requests dualwrite needs that the bootstrap broker does not offer, each with its
-        API key. Costs nothing: the client learned the versions on connecting (ApiVersions)."""
+        API key. Costs nothing: the client learned the versions on connecting (ApiVersions);
+        none are reported before it has."""
+        if not self._link.api_versions_known():
+            return []
         return [f"{name} (API key {key})" for key, name in _NEEDED_APIS
                 if self._link.max_version(key) is None]
 
