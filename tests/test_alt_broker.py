@@ -34,11 +34,13 @@ import sqlalchemy as sa
 import dualwrite
 from dualwrite import DualWriter, UnsupportedBrokerError, create_engine
 from dualwrite.batch import BatchCoordinator
+from dualwrite.dev import KafkaTarget
 from dualwrite.dev._util import pid_alive
 from dualwrite.dev.kfake_broker import LocalKfake, kfake_binary
 from dualwrite.errors import HeuristicAbortError, OutcomeUnknownError
 from dualwrite.participant import (
     ControlPlane,
+    Outcome,
     PreparedTxnState,
     TopicPartition,
     TxnState,
@@ -208,7 +210,20 @@ def test_anchorless_state_after_empty_is_outcome_unknown(cp: ControlPlane, boots
         complete(cp, {"bootstrap.servers": bootstrap}, tid, bare, timeout_s=10)
     # With its anchor, the same transaction reads as committed.
     assert complete(cp, {"bootstrap.servers": bootstrap}, tid, state,
-                    timeout_s=10).name == "ALREADY_COMMITTED"
+                    timeout_s=10) is Outcome.ALREADY_COMMITTED
+
+
+def test_anchorless_state_on_apache_kafka_is_already_committed(kafka: KafkaTarget) -> None:
+    """The same anchor-less state on Apache Kafka: CompleteCommit at its (pid, epoch) says it
+    committed, so the Empty guard above changes nothing there."""
+    bootstrap = kafka.bootstrap_servers
+    topic = create_topic(bootstrap, unique("alt-kafka"), partitions=1)
+    tid = unique("alt-anchorless-kafka")
+    state = prepare_open(bootstrap, topic, tid, ["x"], commit=True)
+    bare = PreparedTxnState.parse(f"{state.producer_id}:{state.epoch}")
+    with ControlPlane({"bootstrap.servers": bootstrap}, timeout_s=15) as plane:
+        assert complete(plane, {"bootstrap.servers": bootstrap}, tid, bare,
+                        timeout_s=10) is Outcome.ALREADY_COMMITTED
 
 
 def test_broker_timeout_of_a_prepared_transaction_is_a_heuristic_abort(
