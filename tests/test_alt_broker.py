@@ -108,11 +108,44 @@ def _open(bootstrap: str, topic: str, tid: str, timeout_ms: int = 60_000
 # -- the protocol behaviours ---------------------------------------------------------------------
 
 
-def test_probe_supported(bootstrap: str) -> None:
+def _probe_behaviours(bootstrap: str) -> dict[str, object]:
+    topic = create_topic(bootstrap, unique("alt-probe"), partitions=1)
     out = subprocess.run([sys.executable, "-m", "dualwrite.cli", "probe", "-b", bootstrap,
-                          "--timeout", "10"], capture_output=True, text=True, timeout=60)
+                          "--timeout", "15", "--json", "--behaviour-topic", topic],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1].startswith("dualwrite: supported")
+    result: dict[str, object] = json.loads(out.stdout)
+    return result
+
+
+def _api(check: dict[str, object]) -> str:
+    """"EndTxn (26) by ..." -> "EndTxn (26)"."""
+    return str(check["behaviour"]).split(")")[0] + ")"
+
+
+BEHAVIOURS = ["DescribeProducers (61)", "ListTransactions (66)", "EndTxn (26)",
+              "DescribeTransactions (65)", "Fetch (1)", "InitProducerId (22)"]
+
+
+def test_probe_behaviours(bootstrap: str) -> None:
+    """``dualwrite probe --behaviour-topic``: kfake does everything recovery needs; its
+    DescribeTransactions says Empty, not CompleteAbort, after EndTxn (not required)."""
+    result = _probe_behaviours(bootstrap)
+    assert result["supported"] is True
+    checks = result["behaviours"]
+    assert isinstance(checks, list)
+    assert [_api(c) for c in checks] == BEHAVIOURS
+    lacking = [(_api(c), c["detail"]) for c in checks if not c["ok"]]
+    assert lacking == [("DescribeTransactions (65)", "state Empty")]
+    assert all(c["ok"] for c in checks if c["required"])
+
+
+def test_probe_behaviours_on_apache_kafka(kafka: KafkaTarget) -> None:
+    """The same probe on Apache Kafka: every behaviour, CompleteAbort included."""
+    checks = _probe_behaviours(kafka.bootstrap_servers)["behaviours"]
+    assert isinstance(checks, list)
+    assert [(_api(c), c["ok"]) for c in checks] == [
+        (b, True) for b in BEHAVIOURS]
 
 
 @pytest.mark.parametrize("commit", [True, False], ids=["commit", "abort"])
