@@ -12,6 +12,7 @@ cd "$(dirname "$0")"
 VENV=${DUALWRITE_VENV:-.venv}
 # Spark's driver (demo, pipelines, tests) binds to loopback unless told otherwise.
 export SPARK_LOCAL_IP=${SPARK_LOCAL_IP:-127.0.0.1}
+[ -x /usr/local/go/bin/go ] && export PATH="$PATH:/usr/local/go/bin"
 
 say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
@@ -22,6 +23,8 @@ install_system_packages() {
     command -v mvn >/dev/null 2>&1 || missing+=(maven)
     compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql)
     command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
+    # Go (1.26+, preinstalled in /usr/local/go on these machines) builds the kfake test broker.
+    command -v go >/dev/null 2>&1 || [ -x /usr/local/go/bin/go ] || missing+=(golang-go)
     [ ${#missing[@]} -eq 0 ] && return 0
     if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
         echo "missing: ${missing[*]} — install them (Java 17, Maven, PostgreSQL server, PgBouncer) or use Docker" >&2

@@ -40,6 +40,7 @@ from dualwrite.errors import (
     DualWriteError,
     HeuristicOutcomeError,
 )
+from dualwrite.participant.behaviour import check_behaviours
 from dualwrite.participant.client_config import (
     LIBRDKAFKA_LOGGER,
     check_kafka_config,
@@ -182,17 +183,27 @@ def main(verbose: int) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--no-2pc-check", is_flag=True,
               help="Do not send InitProducerId v6 (it fences the id 'dualwrite-probe').")
+@click.option("--behaviour-topic", metavar="TOPIC",
+              help="Also run one aborted transaction on partition 0 of TOPIC and check, by API "
+              "key, each broker behaviour recovery relies on (for another implementation of "
+              "the Kafka protocol).")
 @_guarded
 def probe(bootstrap_servers: str | None, kafka_properties: str | None, timeout_s: float,
-          as_json: bool, no_2pc_check: bool) -> None:
+          as_json: bool, no_2pc_check: bool, behaviour_topic: str | None) -> None:
     """What a Kafka cluster supports for two-phase commit; the last line is the verdict
     ("dualwrite: supported — epoch-resume mode ..." or what is missing). Exit 0 either way
     (the verdict and --json's "supported" say it), 4 when the cluster cannot be reached."""
     config = _kafka_config(bootstrap_servers, kafka_properties)
-    with ControlPlane(config, timeout_s=timeout_s) as cp:
+    with ControlPlane(config, timeout_s=timeout_s, require_support=False) as cp:
         result = cp.probe(check_2pc=not no_2pc_check)
+    behaviours = (check_behaviours(config, behaviour_topic, timeout_s=timeout_s)
+                  if behaviour_topic and result.supported else [])
     if as_json:
-        click.echo(json.dumps(result.as_dict(), indent=2))
+        doc = result.as_dict()
+        if behaviour_topic:
+            doc["behaviours"] = [{"behaviour": c.behaviour, "ok": c.ok, "required": c.required,
+                                  "detail": c.detail} for c in behaviours]
+        click.echo(json.dumps(doc, indent=2))
         return
     for b in result.brokers:
         click.echo(f"broker {b.node_id} at {b.host}:{b.port}: {b.software}")
@@ -207,6 +218,9 @@ def probe(bootstrap_servers: str | None, kafka_properties: str | None, timeout_s
         click.echo(f"{name:>22}: {version(key)}")
     click.echo(f"InitProducerId v6 Enable2Pc: {result.enable_2pc}")
     click.echo(f"InitProducerId v6 KeepPreparedTxn: {result.keep_prepared_txn}")
+    for c in behaviours:
+        mark = "ok" if c.ok else ("NO" if c.required else "no (anchors are read instead)")
+        click.echo(f"{c.behaviour}: {mark} ({c.detail})")
     click.echo(result.verdict)
 
 

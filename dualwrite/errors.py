@@ -43,6 +43,7 @@ __all__ = [
     "TransactionConflictError",
     "TransactionStateError",
     "UnknownTopicError",
+    "UnsupportedBrokerError",
 ]
 
 
@@ -126,6 +127,18 @@ class UnknownTopicError(FatalError):
         super().__init__(f"topic {topic!r} does not exist ({detail}): create it (kafka-topics.sh "
                          "--create) or fix the name")
         self.topic = topic
+
+
+class UnsupportedBrokerError(FatalError):
+    """The Kafka cluster lacks a protocol behaviour dualwrite's recovery needs (``missing``
+    names each, with its API key): dualwrite refuses to start rather than leave a prepared
+    transaction it could not finish. ``dualwrite probe`` shows what the brokers offer."""
+
+    def __init__(self, servers: str, missing: Sequence[str]) -> None:
+        super().__init__(f"the Kafka cluster at {servers} cannot be a two-phase-commit "
+                         f"participant: it lacks {'; '.join(missing)} (Kafka 3.0 or newer has "
+                         "them all); see `dualwrite probe`")
+        self.missing = tuple(missing)
 
 
 class InvalidRecordError(FatalError, ValueError, TypeError):

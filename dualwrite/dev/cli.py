@@ -14,10 +14,11 @@ import click
 
 from dualwrite.dev._util import DevClusterError, dualwrite_home, pid_alive, port_open
 from dualwrite.dev.kafka_cluster import DEFAULT_KAFKA_VERSION, Backend, LocalKafkaCluster
+from dualwrite.dev.kfake_broker import LocalKfake, kfake_version
 from dualwrite.dev.postgres_cluster import LocalPostgres
 from dualwrite.dev.security import application_acls
 
-__all__ = ["dev", "postgres_state_file", "state_file"]
+__all__ = ["dev", "kfake_state_file", "postgres_state_file", "state_file"]
 
 TWO_PC_CONFIG = {
     "transaction.two.phase.commit.enable": "true",
@@ -28,6 +29,11 @@ TWO_PC_CONFIG = {
 def state_file() -> Path:
     """Where ``dev up`` records the running cluster: ``$DUALWRITE_HOME/dev/cluster.json``."""
     return dualwrite_home() / "dev" / "cluster.json"
+
+
+def kfake_state_file() -> Path:
+    """Where ``dev up --flavour kfake`` records its broker: ``$DUALWRITE_HOME/dev/kfake.json``."""
+    return dualwrite_home() / "dev" / "kfake.json"
 
 
 def postgres_state_file() -> Path:
@@ -98,6 +104,12 @@ def dev(verbose: bool) -> None:
 
 
 @dev.command()
+@click.option(
+    "--flavour", type=click.Choice(["kafka", "kfake"]), default="kafka", show_default=True,
+    help="kafka: Apache Kafka (KRaft). kfake: franz-go's kfake, an independent implementation "
+    "of the Kafka protocol (one in-memory broker, built with `go build` on first use), for "
+    "compatibility checks. Apache Pulsar's Kafka handler (KoP) is not on Maven Central.",
+)  # fmt: skip
 @click.option("--brokers", type=click.Choice(["1", "3"]), default="1", show_default=True)
 @click.option("--kafka-version", default=DEFAULT_KAFKA_VERSION, show_default=True)
 @click.option(
@@ -129,6 +141,7 @@ def dev(verbose: bool) -> None:
               help="Create this topic once the brokers are up (3 partitions by default).")
 @click.option("--json", "as_json", is_flag=True, help="Print the cluster state as JSON.")
 def up(
+    flavour: str,
     brokers: str,
     kafka_version: str,
     backend: str,
@@ -143,6 +156,9 @@ def up(
 ) -> None:
     """Start a detached cluster and print its bootstrap address (and the exports to use)."""
     wanted_topics = [_parse_topic(t) for t in topics]
+    if flavour == "kfake":
+        _up_kfake(wanted_topics, postgres, as_json, timeout, configs)
+        return
     existing = _load()
     if existing is not None:
         if all(row["process"] for row in _node_status(existing)):
@@ -209,6 +225,51 @@ def up(
     if server is not None:
         click.echo(f"PostgreSQL ({server.backend} backend) is up at {server.url}")
     _echo_exports(cluster, server)
+
+
+def _load_kfake() -> LocalKfake | None:
+    return _load_state(kfake_state_file(), LocalKfake.from_state, "kfake broker")
+
+
+def _up_kfake(topics: list[tuple[str, int]], postgres: bool, as_json: bool, timeout: float,
+              configs: tuple[str, ...]) -> None:
+    """``dev up --flavour kfake``: one kfake broker (reused while it runs)."""
+    from dualwrite.dev.kafka_cluster import create_topic
+
+    broker = _load_kfake()
+    if broker is None or not broker.running():
+        if broker is not None:
+            broker.stop()
+        config = dict(item.partition("=")[::2] for item in configs)
+        broker = LocalKfake(data_dir=dualwrite_home() / "dev" / "kfake", broker_config=config,
+                            detach=True, startup_timeout=timeout)
+        try:
+            broker.start()
+        except DevClusterError as e:
+            raise click.ClickException(str(e)) from e
+        broker.save_state(kfake_state_file())
+    server = _load_postgres()
+    try:
+        for name, partitions in topics:
+            create_topic(broker.bootstrap_servers, name, partitions)
+        if postgres and (server is None or not server.running()):
+            _stop_stale_postgres()
+            server = LocalPostgres(detach=True)
+            server.start()
+            server.save_state(postgres_state_file())
+    except DevClusterError as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        state = broker.to_state()
+        state["topics"] = [name for name, _ in topics]
+        state["database_url"] = server.url if server is not None and postgres else None
+        click.echo(json.dumps(state, indent=2))
+        return
+    click.echo(f"kfake {kfake_version()} (1 broker) is up at "
+               f"{broker.bootstrap_servers}")
+    click.echo(f"export DUALWRITE_BOOTSTRAP_SERVERS={broker.bootstrap_servers}")
+    if server is not None and postgres:
+        click.echo(f"export DUALWRITE_DATABASE_URL={server.url}")
 
 
 def _echo_json(cluster: LocalKafkaCluster, topics: list[tuple[str, int]],
@@ -341,9 +402,15 @@ def down(keep_data: bool) -> None:
         server.stop()
         postgres_state_file().unlink(missing_ok=True)
         click.echo(f"stopped the dev PostgreSQL at {where_db}")
+    broker = _load_kfake()
+    if broker is not None:
+        broker.stop()
+        kfake_state_file().unlink(missing_ok=True)
+        click.echo(f"stopped the dev kfake broker at {broker.bootstrap_servers}")
     cluster = _load()
     if cluster is None:
-        click.echo("no dev cluster is running")
+        if broker is None:
+            click.echo("no dev cluster is running")
         return
     where = cluster.bootstrap_servers
     cluster.stop(keep_data=keep_data)

@@ -160,9 +160,15 @@ class KafkaLink:
         broker = self._manager.cluster.broker_metadata(node_id)
         return broker.host, broker.port
 
+    def api_versions_known(self) -> bool:
+        """Whether the bootstrap connection has learned the broker's versions (ApiVersions)."""
+        data = self._manager.broker_version_data
+        return bool(data is not None and data.api_versions)
+
     def max_version(self, api_key: int) -> int | None:
         """The newest version of ``api_key`` the bootstrap broker offers (None: not offered)."""
-        versions = self._manager.broker_version_data.api_versions or {}
+        data = self._manager.broker_version_data
+        versions = (data.api_versions if data is not None else None) or {}
         entry = versions.get(api_key)
         return None if entry is None else int(entry[1])
 

@@ -299,6 +299,12 @@ def named_transaction_committed(cp: ControlPlane, consumer_config: Mapping[str, 
             raise OutcomeUnknownError(f"{tid!r}: the coordinator no longer knows this id and the "
                                       f"state {state} has no anchor to check")
         same = (desc.producer_id, desc.epoch) == (state.producer_id, state.epoch)
+        if same and desc.state is TxnState.EMPTY:
+            # Apache Kafka says CompleteCommit or CompleteAbort after EndTxn at this epoch;
+            # franz-go's kfake says Empty either way, which tells neither outcome.
+            raise OutcomeUnknownError(
+                f"{tid!r}: the coordinator reports Empty at the stored producer id and epoch, "
+                f"not how the transaction ended, and the state {state} has no anchor to check")
         return same and desc.state is TxnState.COMPLETE_COMMIT
     tp = anchor.resolve(desc.partitions if desc is not None else frozenset())
     if tp is None:

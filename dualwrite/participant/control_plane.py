@@ -36,6 +36,7 @@ from dualwrite.errors import (
     OutcomeUnknownError,
     RetriableError,
     UnknownTopicError,
+    UnsupportedBrokerError,
 )
 from dualwrite.participant._kafka_python_seam import (
     KafkaLink,
@@ -203,7 +204,7 @@ class ProbeResult:
         for key, name in _NEEDED_APIS:
             lacking = [b.node_id for b in self.brokers if key not in b.api_versions]
             if lacking:
-                out.append(f"{name} (broker{'s' if len(lacking) > 1 else ''} "
+                out.append(f"{name} (API key {key}; broker{'s' if len(lacking) > 1 else ''} "
                            f"{', '.join(map(str, lacking))})")
         return out
 
@@ -270,7 +271,11 @@ class ControlPlane:
     below are only touched from that one thread.
     """
 
-    def __init__(self, config: Mapping[str, Any], *, timeout_s: float = 30.0) -> None:
+    def __init__(self, config: Mapping[str, Any], *, timeout_s: float = 30.0,
+                 require_support: bool = True) -> None:
+        """``require_support``: raise :class:`UnsupportedBrokerError` if the bootstrap broker
+        lacks a request recovery needs (every start-up path; ``dualwrite probe`` reports
+        instead)."""
         self._timeout_s = timeout_s = check_timeout(timeout_s)
         kp = kafka_python_config(config)
         kp.setdefault("client_id", "dualwrite-control-plane")
@@ -294,10 +299,24 @@ class ControlPlane:
                 "check bootstrap.servers and that the cluster is up (`dualwrite dev status`)"
             ) from exc
         self._admin = self._link.admin
+        if require_support:
+            missing = self.missing_requests()
+            if missing:
+                self._link.close()
+                raise UnsupportedBrokerError(self._servers, missing)
         # Transaction coordinator of each transactional id, dropped after NOT_COORDINATOR.
         self._coordinators: dict[str, int] = {}
         # Partition leaders for DescribeProducers, refreshed when a leader answers with an error.
         self._leaders: dict[TopicPartition, int] = {}
+
+    def missing_requests(self) -> list[str]:
+        """The requests dualwrite needs that the bootstrap broker does not offer, each with its
+        API key. Costs nothing: the client learned the versions on connecting (ApiVersions);
+        none are reported before it has."""
+        if not self._link.api_versions_known():
+            return []
+        return [f"{name} (API key {key})" for key, name in _NEEDED_APIS
+                if self._link.max_version(key) is None]
 
     def close(self) -> None:
         self._link.close()
