@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,6 +229,27 @@ def test_broker_bounce_under_load(private_kafka: LocalKafkaCluster, new_topic: o
     """SIGKILL of the only broker while a consumer decides batches and a producer feeds it;
     the application's loop calls run() again on a typed retriable/recoverable error. In the
     end each input's row and output record once, nothing open."""
+    def bounce() -> None:
+        private_kafka.kill_broker(0)
+        time.sleep(2)
+        private_kafka.restart_broker(0)
+    bounce_under_load(private_kafka, bounce, new_topic, postgres_url)
+
+
+def test_rolling_broker_kills_under_load(kafka3: LocalKafkaCluster, new_topic: object,
+                                         postgres_url: str) -> None:
+    """The same on the session's three-broker cluster (RF 3): SIGKILL and restart of each broker
+    in turn (group, transaction coordinators and partition leaders move) under load."""
+    def bounce() -> None:
+        for index in range(3):
+            kafka3.kill_broker(index)
+            time.sleep(2)
+            kafka3.restart_broker(index)
+    bounce_under_load(kafka3, bounce, new_topic, postgres_url)
+
+
+def bounce_under_load(cluster: LocalKafkaCluster, bounce: Callable[[], None],
+                      new_topic: object, postgres_url: str) -> None:
     create = new_topic
     with fresh_schema(postgres_url, "dw_consumer") as url:
         dualwrite.upgrade_database(url)
@@ -236,9 +257,9 @@ def test_broker_bounce_under_load(private_kafka: LocalKafkaCluster, new_topic: o
         with engine.begin() as conn:
             conn.execute(sa.text("CREATE TABLE effects (input_id TEXT NOT NULL, worker INT)"))
         engine.dispose()
-        setup = Setup(private_kafka.bootstrap_servers, url, f"g-{uuid.uuid4().hex[:8]}",
-                      create(private_kafka, partitions=3),  # type: ignore[operator]
-                      create(private_kafka, partitions=3))  # type: ignore[operator]
+        setup = Setup(cluster.bootstrap_servers, url, f"g-{uuid.uuid4().hex[:8]}",
+                      create(cluster, partitions=3),  # type: ignore[operator]
+                      create(cluster, partitions=3))  # type: ignore[operator]
         ids = [f"b{i}" for i in range(400)]
         feeder = threading.Thread(target=setup.produce_inputs, args=(ids, 20))
         feeder.start()
@@ -257,9 +278,7 @@ def test_broker_bounce_under_load(private_kafka: LocalKafkaCluster, new_topic: o
         thread = threading.Thread(target=loop)
         thread.start()
         time.sleep(4)
-        private_kafka.kill_broker(0)
-        time.sleep(2)
-        private_kafka.restart_broker(0)
+        bounce()
         feeder.join(120)
 
         def all_done() -> bool:
