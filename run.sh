@@ -25,9 +25,10 @@ install_system_packages() {
     command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
     # Go (1.26+, preinstalled in /usr/local/go on these machines) builds the kfake test broker.
     command -v go >/dev/null 2>&1 || [ -x /usr/local/go/bin/go ] || missing+=(golang-go)
+    command -v mariadbd >/dev/null 2>&1 || [ -x /usr/sbin/mariadbd ] || missing+=(mariadb-server)
     [ ${#missing[@]} -eq 0 ] && return 0
     if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
-        echo "missing: ${missing[*]} — install them (Java 17, Maven, PostgreSQL server, PgBouncer) or use Docker" >&2
+        echo "missing: ${missing[*]} — install them (Java 17, Maven, PostgreSQL server, PgBouncer, MariaDB server) or use Docker" >&2
         exit 1
     fi
     say "installing ${missing[*]} (Debian packages)"
@@ -41,10 +42,10 @@ install_python() {
     if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt constraints.txt ]; then
         return 0
     fi
-    say "creating $VENV and installing dualwrite[dev,spark,service,metrics,asyncio] (pinned by constraints.txt)"
+    say "creating $VENV and installing dualwrite[dev,spark,service,metrics,asyncio,mariadb] (pinned by constraints.txt)"
     python3 -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev,spark,service,metrics,asyncio]"
+    "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev,spark,service,metrics,asyncio,mariadb]"
     touch "$stamp"
 }
 

@@ -7,6 +7,8 @@ Environment variables:
   ``transaction.two.phase.commit.enable=true`` and ``unstable.api.versions.enable=true``).
 - ``DUALWRITE_TEST_BOOTSTRAP_39``: the same for ``kafka39``.
 - ``DUALWRITE_TEST_POSTGRES_URL``: use this database for ``postgres_url``.
+- ``DUALWRITE_TEST_MARIADB_URL``: use this MariaDB server for ``mariadb_url`` (its user needs
+  CREATE/DROP DATABASE and KILL of its own sessions).
 - ``DUALWRITE_TEST_KAFKA_VERSION`` / ``DUALWRITE_TEST_KAFKA39_VERSION``: versions to start.
 - ``DUALWRITE_TEST_COMPAT_VERSIONS``: comma-separated Kafka versions of the compatibility tier
   (tests/test_compat.py); each is started once, alone, while its tests run.
@@ -29,9 +31,15 @@ import pytest
 import sqlalchemy as sa
 
 import dualwrite
-from dualwrite.dev import ExternalKafkaCluster, KafkaTarget, LocalKafkaCluster, LocalPostgres
+from dualwrite.dev import (
+    ExternalKafkaCluster,
+    KafkaTarget,
+    LocalKafkaCluster,
+    LocalMariaDB,
+    LocalPostgres,
+)
 from dualwrite.dev.kafka_cluster import Backend
-from tests._db_helpers import fresh_schema
+from tests._db_helpers import fresh_mariadb_database, fresh_schema
 
 KAFKA_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA_VERSION", "4.3.1")
 KAFKA39_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA39_VERSION", "3.9.2")
@@ -172,6 +180,18 @@ def postgres_url() -> Iterator[str]:
         yield pg.url
 
 
+@pytest.fixture(scope="session")
+def mariadb_url() -> Iterator[str]:
+    """SQLAlchemy URL of a session-wide MariaDB server's ``dualwrite`` database
+    (``mysql+pymysql://``), started once (about 2 s)."""
+    external = os.environ.get("DUALWRITE_TEST_MARIADB_URL")
+    if external:
+        yield external
+        return
+    with LocalMariaDB() as server:
+        yield server.url
+
+
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     """SQLAlchemy URL of a fresh SQLite file for this test."""
@@ -204,15 +224,21 @@ def topic(kafka: KafkaTarget, new_topic: NewTopic) -> str:
 
 @pytest.fixture(params=["postgresql", "sqlite"])
 def backend(request: pytest.FixtureRequest) -> str:
-    """The database a test runs on (narrow it with ``parametrize(..., indirect=True)``)."""
+    """The database a test runs on (narrow it with ``parametrize(..., indirect=True)``; widen
+    it to MariaDB the same way, with ``"mariadb"``)."""
     return str(request.param)
 
 
 @pytest.fixture
 def empty_db_url(backend: str, request: pytest.FixtureRequest) -> Iterator[str]:
-    """An empty database on ``backend``: a fresh SQLite file, or a fresh PostgreSQL schema."""
+    """An empty database on ``backend``: a fresh SQLite file, a fresh PostgreSQL schema, or a
+    fresh MariaDB database."""
     if backend == "sqlite":
         yield request.getfixturevalue("sqlite_url")
+        return
+    if backend == "mariadb":
+        with fresh_mariadb_database(request.getfixturevalue("mariadb_url"), "dw_test") as url:
+            yield url
         return
     with fresh_schema(request.getfixturevalue("postgres_url"), "dw_test") as url:
         yield url

@@ -1,4 +1,4 @@
-"""dualwrite.database.schema is what the migrations create, on PostgreSQL and on SQLite.
+"""dualwrite.database.schema is what the migrations create, on PostgreSQL, MariaDB and SQLite.
 
 Alembic's autogenerate compares a freshly migrated database with ``METADATA``: any difference
 (a column, type, length, nullability, server default, key or index) means the two drifted apart.
@@ -24,6 +24,12 @@ from dualwrite.database import (
 from dualwrite.database.schema import TRANSACTION_STATE, include_name
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(params=["postgresql", "sqlite", "mariadb"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Every supported database."""
+    return str(request.param)
 
 
 def _differences(engine: sa.Engine) -> list[Any]:

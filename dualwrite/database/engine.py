@@ -2,8 +2,9 @@
 
 - :func:`create_engine` makes an engine whose transactions behave the way dualwrite needs: on SQLite
   every transaction starts with ``BEGIN IMMEDIATE`` (the writer holds SQLite's write lock from the
-  first statement on, which is SQLite's stand-in for the per-transactional-id row lock), and
-  ``postgresql://`` URLs use psycopg 3.
+  first statement on, which is SQLite's stand-in for the per-transactional-id row lock),
+  ``postgresql://`` URLs use psycopg 3, and ``mysql://`` / ``mariadb://`` URLs PyMySQL in READ
+  COMMITTED.
 - :func:`upgrade_database`, :func:`current_revision` and :func:`check_schema` manage dualwrite's own
   tables with Alembic, using the version table ``dualwrite_alembic_version`` so that the
   application's own Alembic history is never touched.
@@ -54,6 +55,7 @@ from dualwrite.errors import (
 __all__ = [
     "MIGRATIONS_RESOURCE",
     "MIGRATION_LOCK_KEY",
+    "MYSQL_ISOLATION_LEVEL",
     "SQLITE_BEGIN_OPTION",
     "bounded_wait",
     "check_schema",
@@ -62,6 +64,7 @@ __all__ = [
     "database_error",
     "head_revision",
     "is_missing_schema",
+    "is_mysql",
     "mask_url",
     "migrations_dir",
     "normalize_url",
@@ -97,12 +100,27 @@ _IMMEDIATE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 _ALEMBIC_LOCK = threading.Lock()
 
 
-SUPPORTED_URLS = "sqlite:///path/to/file.db or postgresql://user@host:5432/dbname (psycopg 3)"
-_SUPPORTED_BACKENDS = frozenset({"sqlite", "postgresql"})
+SUPPORTED_URLS = ("sqlite:///path/to/file.db, postgresql://user@host:5432/dbname (psycopg 3) "
+                  "or mysql://user@host:3306/dbname (MariaDB, PyMySQL)")
+_SUPPORTED_BACKENDS = frozenset({"sqlite", "postgresql", "mysql", "mariadb"})
+#: SQLAlchemy's names of MariaDB (``mariadb://``) and MySQL (``mysql://``, MariaDB served too).
+_MYSQL_DIALECTS = frozenset({"mysql", "mariadb"})
+DEFAULT_MYSQL_CONNECT_TIMEOUT_S = 10
+#: The isolation level of dualwrite's engines on MariaDB: PostgreSQL's default, which the recipe
+#: is written for. Under InnoDB's own default (REPEATABLE READ) a plain read inside a writer's
+#: transaction would see the snapshot of its first read, and inserts of new state rows would
+#: take gap locks that deadlock two writers of different new ids.
+MYSQL_ISOLATION_LEVEL = "READ COMMITTED"
+
+
+def is_mysql(engine_or_conn: Engine | Connection) -> bool:
+    """Whether ``engine_or_conn`` talks to MariaDB (or MySQL) through SQLAlchemy."""
+    return engine_or_conn.dialect.name in _MYSQL_DIALECTS
 
 
 def normalize_url(url: str | URL) -> URL:
-    """Parse ``url``; ``postgresql://`` and ``postgres://`` become ``postgresql+psycopg://``.
+    """Parse ``url``; ``postgresql://`` and ``postgres://`` become ``postgresql+psycopg://``,
+    ``mysql://`` and ``mariadb://`` their ``+pymysql`` forms.
 
     :class:`ConfigurationError` if it is not a URL, or not one of a supported database: SQLite or
     PostgreSQL (the text is shown only when it cannot hold a password).
@@ -120,12 +138,14 @@ def normalize_url(url: str | URL) -> URL:
                                  f"{SUPPORTED_URLS}{hint}") from None
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
+    elif parsed.drivername in _MYSQL_DIALECTS:
+        parsed = parsed.set(drivername=parsed.drivername + "+pymysql")
     backend = parsed.drivername.split("+", 1)[0]
     if backend == "postgres":
         parsed = parsed.set(drivername="postgresql+" + parsed.drivername.split("+", 1)[1])
     elif backend not in _SUPPORTED_BACKENDS:
         raise ConfigurationError(f"database {parsed.drivername!r} is not supported: dualwrite "
-                                 f"works with SQLite and PostgreSQL; use {SUPPORTED_URLS}")
+                                 f"works with SQLite, PostgreSQL and MariaDB; use {SUPPORTED_URLS}")
     return parsed
 
 
@@ -167,6 +187,10 @@ def create_engine(url: str | URL, **kw: Any) -> Engine:
     recovery's) waits no longer than the deadline to connect, and its TCP timeouts are scaled
     to the scope's budget.
 
+    MariaDB (``mysql://``, ``mariadb://``): PyMySQL, ``connect_timeout`` 10 s, ``utf8mb4``,
+    ``pool_pre_ping``, and every transaction in READ COMMITTED (:data:`MYSQL_ISOLATION_LEVEL`)
+    unless ``isolation_level`` is given.
+
     Other keyword arguments go to :func:`sqlalchemy.create_engine`.
     """
     parsed = normalize_url(url)
@@ -177,6 +201,14 @@ def create_engine(url: str | URL, **kw: Any) -> Engine:
         engine = _sa_engine(parsed, connect_args, kw)
         _install_sqlite_hooks(engine)
         return engine
+    if backend in _MYSQL_DIALECTS:
+        if "connect_timeout" not in parsed.query:
+            connect_args.setdefault("connect_timeout", DEFAULT_MYSQL_CONNECT_TIMEOUT_S)
+        if "charset" not in parsed.query:
+            connect_args.setdefault("charset", "utf8mb4")
+        kw.setdefault("isolation_level", MYSQL_ISOLATION_LEVEL)
+        kw.setdefault("pool_pre_ping", True)
+        return _sa_engine(parsed, connect_args, kw)
     if "connect_timeout" not in parsed.query:
         connect_args.setdefault("connect_timeout", DEFAULT_PG_CONNECT_TIMEOUT_S)
     if parsed.get_driver_name() == "psycopg":
@@ -201,7 +233,8 @@ def _sa_engine(url: URL, connect_args: dict[str, Any], kw: dict[str, Any]) -> En
     except ImportError as exc:
         raise ConfigurationError(
             f"the database driver for {url.drivername!r} is not installed ({exc}); "
-            "postgresql:// needs psycopg 3 (pip install 'psycopg[binary]')") from None
+            "postgresql:// needs psycopg 3 (pip install 'psycopg[binary]'), mysql:// PyMySQL "
+            "(pip install 'dualwrite[mariadb]')") from None
     except (sa.exc.ArgumentError, ValueError, TypeError) as exc:
         raise ConfigurationError(f"database URL {mask_url(url)}: {exc}") from None
 
@@ -282,7 +315,8 @@ def bounded_wait(conn: Connection, what: str) -> Iterator[None]:
 
 def _endpoint(url: URL) -> str:
     """host:port of a database URL (never its password)."""
-    return f"{url.host or 'localhost'}:{url.port or 5432}"
+    default = 3306 if url.get_backend_name() in _MYSQL_DIALECTS else 5432
+    return f"{url.host or 'localhost'}:{url.port or default}"
 
 
 def _install_sqlite_hooks(engine: Engine) -> None:
@@ -347,15 +381,39 @@ _SQLITE_BUSY = ("database is locked", "database table is locked", "database is b
 _STATEMENT_POOLING = "transaction blocks not allowed in statement pooling mode"
 
 
+# MariaDB's error numbers (PyMySQL's ``args[0]``), grouped the same way.
+#: Server gone or going: 2002/2003 cannot connect, 2006 server has gone away, 2013 lost during a
+#: query, 2055 lost at a handshake step, 1040 too many connections, 1053 server shutdown, 1077
+#: normal shutdown, 1927 connection killed, 4031 disconnected for inactivity.
+_MYSQL_UNREACHABLE = frozenset({2002, 2003, 2006, 2013, 2055, 1040, 1053, 1077, 1927, 4031})
+#: 1213 deadlock (the transaction was rolled back); 1020 "record has changed since last read"
+#: (InnoDB snapshot isolation).
+_MYSQL_CONFLICT = frozenset({1213, 1020})
+#: 1205 innodb_lock_wait_timeout (the statement was rolled back); 3572 NOWAIT.
+_MYSQL_LOCK_TIMEOUT = frozenset({1205, 3572})
+#: 1969 max_statement_time exceeded; 1317 query interrupted (KILL QUERY).
+_MYSQL_CANCELED = frozenset({1969, 1317})
+#: 1146 table does not exist, 1054 unknown column.
+_MYSQL_MISSING_SCHEMA = frozenset({1146, 1054})
+
+
 def _sqlstate(orig: BaseException | None) -> str | None:
     state = getattr(orig, "sqlstate", None)
     return state if isinstance(state, str) else None
 
 
+def _mysql_errno(orig: BaseException | None) -> int | None:
+    """The MariaDB error number of a PyMySQL exception (None for other drivers' errors)."""
+    if orig is None or type(orig).__module__.split(".", 1)[0] != "pymysql":
+        return None
+    code = orig.args[0] if orig.args else None
+    return code if isinstance(code, int) else None
+
+
 def is_missing_schema(exc: BaseException) -> bool:
     """The statement failed because a table, or a column a later migration added, is missing."""
     orig = getattr(exc, "orig", None) or exc
-    if _sqlstate(orig) in _MISSING_SCHEMA_SQLSTATES:
+    if _sqlstate(orig) in _MISSING_SCHEMA_SQLSTATES or _mysql_errno(orig) in _MYSQL_MISSING_SCHEMA:
         return True
     if isinstance(orig, sqlite3.Error):
         text = str(orig).lower()
@@ -372,6 +430,12 @@ def _connection_lost(exc: BaseException, orig: BaseException | None) -> bool:
     state = _sqlstate(orig)
     if state is not None:
         return state.startswith("08") or state in _UNREACHABLE_SQLSTATES
+    errno = _mysql_errno(orig)
+    if errno is not None:
+        # PyMySQL: a closed connection is InterfaceError (0, ''); errors from the server carry
+        # their number, and only those of _MYSQL_UNREACHABLE mean a lost session.
+        return errno in _MYSQL_UNREACHABLE or (errno == 0
+                                               and isinstance(exc, sa.exc.InterfaceError))
     # psycopg reports a failed connect, a closed connection and a dropped socket without a
     # SQLSTATE; SQLite's errors never mean a lost server.
     return (isinstance(exc, (sa.exc.OperationalError, sa.exc.InterfaceError))
@@ -388,14 +452,16 @@ def database_error(exc: BaseException, url: URL, *, table: str | None = None) ->
       (connect directly or through session pooling);
     - connection lost, cannot connect, server shutting down or restarting (SQLSTATE class 08,
       57P01-57P03, 57P05, 25P03, 53300, an invalidated connection, psycopg's errors without a
-      SQLSTATE, a pool timeout): :class:`DatabaseUnreachableError` (retry);
-    - a lock held past the timeout (55P03; SQLite "database is locked" past its busy timeout):
-      :class:`LockTimeoutError` (retry);
-    - a statement past its statement_timeout, or cancelled (57014):
-      :class:`DatabaseUnreachableError` (retry);
-    - serialization failure (40001) or deadlock (40P01): :class:`TransactionConflictError`
-      (run the transaction again);
-    - a missing table or column (42P01, 42703, SQLite "no such table/column"):
+      SQLSTATE, a pool timeout; MariaDB 2002, 2003, 2006, 2013, 2055, 1040, 1053, 1077, 1927,
+      4031): :class:`DatabaseUnreachableError` (retry);
+    - a lock held past the timeout (55P03; MariaDB 1205 innodb_lock_wait_timeout, 3572; SQLite
+      "database is locked" past its busy timeout): :class:`LockTimeoutError` (retry);
+    - a statement past its statement_timeout, or cancelled (57014; MariaDB 1969
+      max_statement_time, 1317): :class:`DatabaseUnreachableError` (retry);
+    - serialization failure (40001), deadlock (40P01; MariaDB 1213, 1020):
+      :class:`TransactionConflictError` (run the transaction again);
+    - a missing table or column (42P01, 42703, MariaDB 1146, 1054, SQLite "no such
+      table/column"):
       :class:`MigrationRequiredError` (upgrade the schema);
     - anything else: :class:`FatalError` with the driver's message.
 
@@ -417,18 +483,19 @@ def database_error(exc: BaseException, url: URL, *, table: str | None = None) ->
             "session pooling mode (PgBouncer pool_mode = session)")
     if _connection_lost(exc, orig):
         return unreachable_error(url, exc)
-    if state == _LOCK_NOT_AVAILABLE or (
+    errno = _mysql_errno(orig)
+    if state == _LOCK_NOT_AVAILABLE or errno in _MYSQL_LOCK_TIMEOUT or (
             isinstance(orig, sqlite3.OperationalError)
             and any(s in str(orig).lower() for s in _SQLITE_BUSY)):
         what = (f"the {table} row is locked by another process (a writer of the same "
                 "transactional id, or recovery)" if table else
                 f"a lock in the database {where} stayed held by another process")
         return LockTimeoutError(f"{what} for longer than the lock timeout ({detail}); retry")
-    if state == _QUERY_CANCELED:
+    if state == _QUERY_CANCELED or errno in _MYSQL_CANCELED:
         return DatabaseUnreachableError(
             f"the database {where} did not complete dualwrite's statement in time "
             f"(statement_timeout, or a cancel: {detail}); nothing of it was committed, retry")
-    if state in _CONFLICT_SQLSTATES:
+    if state in _CONFLICT_SQLSTATES or errno in _MYSQL_CONFLICT:
         return TransactionConflictError(
             f"the database {where} rolled the transaction back to resolve a conflict with a "
             f"concurrent transaction ({detail}); nothing of it was written, retry")

@@ -9,6 +9,7 @@ A new column goes into both a new migration and this module.
 from __future__ import annotations
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
 
 __all__ = [
     "BATCH_PARTICIPANT",
@@ -22,6 +23,7 @@ __all__ = [
     "SINK_TABLE",
     "STATE_TABLE",
     "TRANSACTION_STATE",
+    "UPDATED_AT_TYPE",
     "VERSION_TABLE",
     "include_name",
     "state_table",
@@ -42,6 +44,11 @@ MAX_LENGTH = 255
 #: Longest sink id; transactional ids add a suffix and must stay within :data:`MAX_LENGTH`.
 MAX_SINK_ID = 200
 
+#: The state row's ``updated_at``: on MariaDB ``DATETIME(6)`` (microseconds), because there it
+#: is also the row's version, which every write raises (see StateStore.commit_status).
+UPDATED_AT_TYPE = sa.DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql",
+                                                           "mariadb")
+
 # Primary keys are named pk_<table>, as the migrations name them.
 _NAMING = {"pk": "pk_%(table_name)s"}
 
@@ -55,7 +62,7 @@ def _state_table(name: str, metadata: sa.MetaData) -> sa.Table:
         # DEFAULT '' (as text: Alembic's compare on SQLite misreads an empty string default)
         sa.Column("prepared_txn_state", sa.String(MAX_LENGTH), nullable=False,
                   server_default=sa.text("''")),
-        sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("updated_at", UPDATED_AT_TYPE, nullable=False),
         sa.Column("fencing_generation", sa.BigInteger, nullable=False, server_default="0"),
     )
 

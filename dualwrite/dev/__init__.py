@@ -1,5 +1,6 @@
-"""Local development servers: a real Apache Kafka cluster and a PostgreSQL server on loopback
-(with a streaming standby, and PgBouncer in front of it, for the database-operations tests).
+"""Local development servers: a real Apache Kafka cluster, a PostgreSQL server on loopback (with a
+streaming standby, and PgBouncer in front of it, for the database-operations tests) and a MariaDB
+server.
 
 Used by the test suite (``tests/conftest.py``) and by ``dualwrite dev up|status|down``.
 """
@@ -16,6 +17,7 @@ from dualwrite.dev.kafka_cluster import (
     create_topic,
     transactional_defaults,
 )
+from dualwrite.dev.mariadb_cluster import LocalMariaDB
 from dualwrite.dev.pgbouncer import LocalPgBouncer
 from dualwrite.dev.postgres_cluster import LocalPostgres
 from dualwrite.dev.verify import read_committed
@@ -27,6 +29,7 @@ __all__ = [
     "ExternalKafkaCluster",
     "KafkaTarget",
     "LocalKafkaCluster",
+    "LocalMariaDB",
     "LocalPgBouncer",
     "LocalPostgres",
     "create_topic",

@@ -1,5 +1,5 @@
 """``dualwrite dev up|status|down|create-topic``: a detached local Kafka cluster (and, with
-``--postgres``, a PostgreSQL server) for development."""
+``--postgres``, a PostgreSQL server, or with ``--mariadb`` a MariaDB server) for development."""
 
 from __future__ import annotations
 
@@ -15,10 +15,14 @@ import click
 from dualwrite.dev._util import DevClusterError, dualwrite_home, pid_alive, port_open
 from dualwrite.dev.kafka_cluster import DEFAULT_KAFKA_VERSION, Backend, LocalKafkaCluster
 from dualwrite.dev.kfake_broker import LocalKfake, kfake_version
+from dualwrite.dev.mariadb_cluster import LocalMariaDB
 from dualwrite.dev.postgres_cluster import LocalPostgres
 from dualwrite.dev.security import application_acls
 
-__all__ = ["dev", "kfake_state_file", "postgres_state_file", "state_file"]
+__all__ = ["dev", "kfake_state_file", "mariadb_state_file", "postgres_state_file", "state_file"]
+
+#: The database server ``dev up`` may start beside the cluster.
+DatabaseServer = LocalPostgres | LocalMariaDB
 
 TWO_PC_CONFIG = {
     "transaction.two.phase.commit.enable": "true",
@@ -41,6 +45,11 @@ def postgres_state_file() -> Path:
     return dualwrite_home() / "dev" / "postgres.json"
 
 
+def mariadb_state_file() -> Path:
+    """Where ``dev up --mariadb`` records its server: ``$DUALWRITE_HOME/dev/mariadb.json``."""
+    return dualwrite_home() / "dev" / "mariadb.json"
+
+
 _Handle = TypeVar("_Handle")
 
 
@@ -58,6 +67,32 @@ def _load_state(path: Path, load: Callable[[Path], _Handle], what: str) -> _Hand
 
 def _load_postgres() -> LocalPostgres | None:
     return _load_state(postgres_state_file(), LocalPostgres.from_state, "server")
+
+
+def _load_mariadb() -> LocalMariaDB | None:
+    return _load_state(mariadb_state_file(), LocalMariaDB.from_state, "server")
+
+
+def _load_databases() -> list[DatabaseServer]:
+    """The database servers ``dev up`` recorded (PostgreSQL, MariaDB)."""
+    return [s for s in (_load_postgres(), _load_mariadb()) if s is not None]
+
+
+def _server_name(server: DatabaseServer) -> str:
+    return "MariaDB" if isinstance(server, LocalMariaDB) else "PostgreSQL"
+
+
+def _start_database(mariadb: bool) -> DatabaseServer:
+    """Start (detached) and record a PostgreSQL or, with ``mariadb``, a MariaDB server, after
+    stopping a stale one of the same kind."""
+    path = mariadb_state_file() if mariadb else postgres_state_file()
+    stale = _load_mariadb() if mariadb else _load_postgres()
+    if stale is not None:
+        stale.stop()
+        path.unlink(missing_ok=True)
+    server: DatabaseServer = LocalMariaDB(detach=True) if mariadb else LocalPostgres(detach=True)
+    server.start()
+    return server
 
 
 def _parse_topic(value: str) -> tuple[str, int]:
@@ -137,6 +172,8 @@ def dev(verbose: bool) -> None:
 )  # fmt: skip
 @click.option("--postgres", is_flag=True,
               help="Also start a local PostgreSQL server and print DUALWRITE_DATABASE_URL.")
+@click.option("--mariadb", is_flag=True,
+              help="Also start a local MariaDB server and print DUALWRITE_DATABASE_URL.")
 @click.option("--topic", "topics", multiple=True, metavar="NAME[:PARTITIONS]",
               help="Create this topic once the brokers are up (3 partitions by default).")
 @click.option("--json", "as_json", is_flag=True, help="Print the cluster state as JSON.")
@@ -151,13 +188,16 @@ def up(
     security: str,
     acl_prefix: str,
     postgres: bool,
+    mariadb: bool,
     topics: tuple[str, ...],
     as_json: bool,
 ) -> None:
     """Start a detached cluster and print its bootstrap address (and the exports to use)."""
+    if postgres and mariadb:
+        raise click.UsageError("--postgres and --mariadb: choose one database server")
     wanted_topics = [_parse_topic(t) for t in topics]
     if flavour == "kfake":
-        _up_kfake(wanted_topics, postgres, as_json, timeout, configs)
+        _up_kfake(wanted_topics, postgres, mariadb, as_json, timeout, configs)
         return
     existing = _load()
     if existing is not None:
@@ -168,7 +208,7 @@ def up(
                 raise click.ClickException(
                     f"a different dev cluster is already running at "
                     f"{existing.bootstrap_servers}; run `dualwrite dev down` first")
-            _reuse(existing, wanted_topics, postgres, as_json)
+            _reuse(existing, wanted_topics, postgres, mariadb, as_json)
             return
         existing.stop()  # stale state: clean up what is left
         state_file().unlink(missing_ok=True)
@@ -188,7 +228,7 @@ def up(
         startup_timeout=timeout,
         security="sasl" if security == "sasl" else "none",
     )
-    server: LocalPostgres | None = None
+    server: DatabaseServer | None = None
     try:
         cluster.start()
         if security == "sasl" and cluster.secrets is not None:
@@ -197,10 +237,8 @@ def up(
                 transactional_id_prefix=acl_prefix))
         for name, partitions in wanted_topics:
             cluster.create_topic(name, partitions)
-        if postgres:
-            _stop_stale_postgres()
-            server = LocalPostgres(detach=True)
-            server.start()
+        if postgres or mariadb:
+            server = _start_database(mariadb)
     except BaseException as e:
         if cluster.nodes:
             cluster.stop()
@@ -211,7 +249,7 @@ def up(
         raise
     cluster.save_state(state_file())
     if server is not None:
-        server.save_state(postgres_state_file())
+        server.save_state(mariadb_state_file() if mariadb else postgres_state_file())
     if as_json:
         _echo_json(cluster, wanted_topics, server)
         return
@@ -222,8 +260,10 @@ def up(
     for name, partitions in wanted_topics:
         click.echo(f"  topic {name} ({partitions} partitions)")
     _echo_security(cluster)
-    if server is not None:
+    if isinstance(server, LocalPostgres):
         click.echo(f"PostgreSQL ({server.backend} backend) is up at {server.url}")
+    elif server is not None:
+        click.echo(f"MariaDB is up at {server.url}")
     _echo_exports(cluster, server)
 
 
@@ -231,8 +271,8 @@ def _load_kfake() -> LocalKfake | None:
     return _load_state(kfake_state_file(), LocalKfake.from_state, "kfake broker")
 
 
-def _up_kfake(topics: list[tuple[str, int]], postgres: bool, as_json: bool, timeout: float,
-              configs: tuple[str, ...]) -> None:
+def _up_kfake(topics: list[tuple[str, int]], postgres: bool, mariadb: bool, as_json: bool,
+              timeout: float, configs: tuple[str, ...]) -> None:
     """``dev up --flavour kfake``: one kfake broker (reused while it runs)."""
     from dualwrite.dev.kafka_cluster import create_topic
 
@@ -248,39 +288,38 @@ def _up_kfake(topics: list[tuple[str, int]], postgres: bool, as_json: bool, time
         except DevClusterError as e:
             raise click.ClickException(str(e)) from e
         broker.save_state(kfake_state_file())
-    server = _load_postgres()
+    server: DatabaseServer | None = _load_mariadb() if mariadb else _load_postgres()
     try:
         for name, partitions in topics:
             create_topic(broker.bootstrap_servers, name, partitions)
-        if postgres and (server is None or not server.running()):
-            _stop_stale_postgres()
-            server = LocalPostgres(detach=True)
-            server.start()
-            server.save_state(postgres_state_file())
+        if (postgres or mariadb) and (server is None or not server.running()):
+            server = _start_database(mariadb)
+            server.save_state(mariadb_state_file() if mariadb else postgres_state_file())
     except DevClusterError as e:
         raise click.ClickException(str(e)) from e
     if as_json:
         state = broker.to_state()
         state["topics"] = [name for name, _ in topics]
-        state["database_url"] = server.url if server is not None and postgres else None
+        state["database_url"] = (server.url if server is not None and (postgres or mariadb)
+                                 else None)
         click.echo(json.dumps(state, indent=2))
         return
     click.echo(f"kfake {kfake_version()} (1 broker) is up at "
                f"{broker.bootstrap_servers}")
     click.echo(f"export DUALWRITE_BOOTSTRAP_SERVERS={broker.bootstrap_servers}")
-    if server is not None and postgres:
+    if server is not None and (postgres or mariadb):
         click.echo(f"export DUALWRITE_DATABASE_URL={server.url}")
 
 
 def _echo_json(cluster: LocalKafkaCluster, topics: list[tuple[str, int]],
-               server: LocalPostgres | None) -> None:
+               server: DatabaseServer | None) -> None:
     state = _json_state(cluster)
     state["topics"] = [name for name, _ in topics]
     state["database_url"] = server.url if server is not None else None
     click.echo(json.dumps(state, indent=2))
 
 
-def _echo_exports(cluster: LocalKafkaCluster, server: LocalPostgres | None) -> None:
+def _echo_exports(cluster: LocalKafkaCluster, server: DatabaseServer | None) -> None:
     """The lines a shell evaluates: ``eval "$(dualwrite dev up … | grep '^export')"``."""
     click.echo(f"export DUALWRITE_BOOTSTRAP_SERVERS={_bootstrap(cluster)}")
     if server is not None:
@@ -288,9 +327,9 @@ def _echo_exports(cluster: LocalKafkaCluster, server: LocalPostgres | None) -> N
 
 
 def _reuse(cluster: LocalKafkaCluster, topics: list[tuple[str, int]], postgres: bool,
-           as_json: bool) -> None:
-    """``dev up`` while the same cluster runs: create missing topics, start PostgreSQL if asked
-    and not running, and print the same exports (so a README's `eval "$(dev up …)"` can run
+           mariadb: bool, as_json: bool) -> None:
+    """``dev up`` while the same cluster runs: create missing topics, start the database server
+    if asked and not running, and print the same exports (so a README's `eval "$(dev up …)"` can run
     twice)."""
     from confluent_kafka.admin import AdminClient
 
@@ -302,28 +341,19 @@ def _reuse(cluster: LocalKafkaCluster, topics: list[tuple[str, int]], postgres: 
                 cluster.create_topic(name, partitions)
     except DevClusterError as e:
         raise click.ClickException(str(e)) from e
-    server = _load_postgres()
-    if postgres and (server is None or not server.running()):
-        _stop_stale_postgres()
-        server = LocalPostgres(detach=True)
+    server: DatabaseServer | None = _load_mariadb() if mariadb else _load_postgres()
+    if (postgres or mariadb) and (server is None or not server.running()):
         try:
-            server.start()
+            server = _start_database(mariadb)
         except DevClusterError as e:
             raise click.ClickException(str(e)) from e
-        server.save_state(postgres_state_file())
+        server.save_state(mariadb_state_file() if mariadb else postgres_state_file())
     if as_json:
         _echo_json(cluster, topics, server)
         return
     click.echo(f"Kafka {cluster.kafka_version} is already running at {_bootstrap(cluster)}")
     _echo_security(cluster)
     _echo_exports(cluster, server)
-
-
-def _stop_stale_postgres() -> None:
-    existing = _load_postgres()
-    if existing is not None:
-        existing.stop()
-        postgres_state_file().unlink(missing_ok=True)
 
 
 def _json_state(cluster: LocalKafkaCluster) -> dict[str, Any]:
@@ -382,10 +412,12 @@ def status(as_json: bool) -> None:
             where = f"pid {r['pid']}" if r["pid"] is not None else f"container {r['container']}"
             state_text = "up" if r["process"] and r["port_open"] else "DOWN"
             click.echo(f"  node {r['node_id']} {r['address']} ({where}): {state_text}")
-    server = _load_postgres()
-    if server is not None and not as_json:
-        click.echo(f"PostgreSQL at {server.url}: {'up' if server.running() else 'DOWN'}")
-    if server is not None and not server.running():
+    servers = _load_databases()
+    for server in servers:
+        if not as_json:
+            click.echo(f"{_server_name(server)} at {server.url}: "
+                       f"{'up' if server.running() else 'DOWN'}")
+    if any(not server.running() for server in servers):
         sys.exit(1)
     if up_count == len(rows):
         sys.exit(0)
@@ -395,13 +427,14 @@ def status(as_json: bool) -> None:
 @dev.command()
 @click.option("--keep-data", is_flag=True, help="Keep the broker data directories.")
 def down(keep_data: bool) -> None:
-    """Stop the dev cluster (SIGTERM, then SIGKILL) and its PostgreSQL; remove their data."""
-    server = _load_postgres()
-    if server is not None:
+    """Stop the dev cluster (SIGTERM, then SIGKILL) and its database server; remove their
+    data."""
+    for server in _load_databases():
         where_db = server.url
         server.stop()
-        postgres_state_file().unlink(missing_ok=True)
-        click.echo(f"stopped the dev PostgreSQL at {where_db}")
+        path = mariadb_state_file() if isinstance(server, LocalMariaDB) else postgres_state_file()
+        path.unlink(missing_ok=True)
+        click.echo(f"stopped the dev {_server_name(server)} at {where_db}")
     broker = _load_kfake()
     if broker is not None:
         broker.stop()

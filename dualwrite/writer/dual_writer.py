@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
 from dualwrite import metrics
-from dualwrite.database import bounded_wait, create_engine, database_error
+from dualwrite.database import bounded_wait, create_engine, database_error, is_mysql
 from dualwrite.deadline import MARGIN_S, Deadline, current_deadline, deadline_scope
 from dualwrite.errors import (
     ConfigurationError,
@@ -994,7 +994,7 @@ class DualWriter:
         unknown = (f"the database COMMIT of transactional_id={self._tid} state={state} has an "
                    "unknown outcome")
         xid = locked.locked_by_xid if locked is not None else None
-        if locked is None or xid is None:
+        if locked is None or (xid is None and not is_mysql(self._engine)):
             if self._engine.dialect.name == "sqlite":
                 return False
             raise OutcomeUnknownError(f"{unknown}: the lock returned no transaction id to ask "
@@ -1027,7 +1027,8 @@ class DualWriter:
                 return status == "committed"
             if status is None or time.monotonic() > deadline:
                 raise OutcomeUnknownError(
-                    f"{unknown}: the database reports transaction {locked.locked_by_xid} as "
+                    f"{unknown}: the database reports transaction "
+                    f"{locked.locked_by_xid or f'of session {locked.locked_by_pid}'} as "
                     f"{status or 'unknown (too old, or run by a server it failed over from)'}; "
                     "the Kafka transaction stays open: run `dualwrite recover` once the "
                     "database transaction has ended (it decides by the state row)")

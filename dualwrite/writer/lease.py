@@ -20,6 +20,10 @@ crashed writer's forever) and another client could find itself holding it.
 a lease also records its server process, which the writer and recovery compare with the one
 that runs their row locks.
 
+MariaDB: a named user lock (``GET_LOCK``), which like PostgreSQL's session advisory lock
+belongs to the session that took it and ends with it (also when the process dies); the same
+session checks apply, with ``CONNECTION_ID()`` for the server process.
+
 SQLite: an exclusive ``flock`` on a file beside the database file, released by the kernel when
 the process dies. An in-memory SQLite database has no leases (one process only): its writers
 always lock first.
@@ -28,6 +32,7 @@ always lock first.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import weakref
 from collections.abc import Iterable, Iterator
@@ -40,6 +45,7 @@ from sqlalchemy import Connection, Engine
 from dualwrite.database import (
     advisory_keys,
     database_error,
+    is_mysql,
     lock_folder,
     mask_url,
     try_file_lock,
@@ -47,12 +53,22 @@ from dualwrite.database import (
 )
 from dualwrite.errors import FatalError
 
-__all__ = ["HeldLeases", "Lease", "Leases", "pooler_error"]
+__all__ = ["HeldLeases", "Lease", "Leases", "mysql_lock_name", "pooler_error"]
 
 # Engines whose connections were found to keep their server session (see check_sessions).
 _SESSION_CHECKED: weakref.WeakSet[Engine] = weakref.WeakSet()
 # Rounds of that check.
 _PROBES = 3
+
+
+def mysql_lock_name(transactional_id: str) -> str:
+    """The MariaDB user-lock name of ``transactional_id``'s lease (at most 64 characters)."""
+    return "dualwrite-lease-" + hashlib.sha256(transactional_id.encode()).hexdigest()[:40]
+
+
+def _session_sql(engine: Engine) -> str:
+    """The statement naming the server session of a connection."""
+    return "SELECT CONNECTION_ID()" if is_mysql(engine) else "SELECT pg_backend_pid()"
 
 
 def pooler_error(engine: Engine, moved: str) -> FatalError:
@@ -124,7 +140,9 @@ class Leases:
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._dialect = engine.dialect.name
+        # MariaDB's session locks serve as PostgreSQL's advisory locks do.
+        self._dialect = "postgresql" if is_mysql(engine) else engine.dialect.name
+        self._mysql = is_mysql(engine)
         self._dir = lock_folder(engine, ".dualwrite-leases")
 
     @property
@@ -146,7 +164,7 @@ class Leases:
         engine = self._engine
         if self._dialect != "postgresql" or engine in _SESSION_CHECKED:
             return
-        pid = "SELECT pg_backend_pid()"
+        pid = _session_sql(engine)
         moved: str | None = None
         try:
             with engine.connect() as a, engine.connect() as b:
@@ -181,7 +199,7 @@ class Leases:
         if backend_pid is None:
             return
         try:
-            now = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+            now = conn.exec_driver_sql(_session_sql(self._engine)).scalar_one()
         except sa.exc.SQLAlchemyError as exc:
             raise database_error(exc, self._engine.url) from exc
         if now != backend_pid:
@@ -201,6 +219,14 @@ class Leases:
         ids = sorted(set(transactional_ids))
         if not ids or not self.supported:
             return {}
+        if self._mysql:
+            self.check_sessions()
+            names = [mysql_lock_name(tid) for tid in ids]
+            self._refuse_inherited_mysql(conn, names)
+            columns = ", ".join(f"GET_LOCK('{name}', 0)" for name in names)
+            *got, pid = conn.exec_driver_sql(f"SELECT {columns}, CONNECTION_ID()").one()
+            return {tid: Lease(tid, conn=conn, backend_pid=int(pid))
+                    for tid, ok in zip(ids, got, strict=True) if ok == 1}
         if self._dialect == "postgresql":
             self.check_sessions()
             keys = {tid: advisory_keys(b"dualwrite-lease", tid) for tid in ids}
@@ -248,7 +274,8 @@ class Leases:
                 yield HeldLeases(frozenset(taken), conn, pids.pop() if pids else None)
             finally:
                 try:
-                    conn.exec_driver_sql("SELECT pg_advisory_unlock_all()")
+                    conn.exec_driver_sql("SELECT RELEASE_ALL_LOCKS()" if self._mysql
+                                         else "SELECT pg_advisory_unlock_all()")
                     conn.commit()
                 except sa.exc.SQLAlchemyError:
                     conn.invalidate()  # closing the session releases them
@@ -268,6 +295,16 @@ class Leases:
                 self._engine, f"a client connection that took no writer lease found {found[0]} "
                 f"held by its server session (backend {found[1]}), left by another client; "
                 "under session pooling, keep PgBouncer's server_reset_query = DISCARD ALL")
+
+    def _refuse_inherited_mysql(self, conn: Connection, names: list[str]) -> None:
+        """:meth:`_refuse_inherited` on MariaDB: ``IS_USED_LOCK`` names the holding session."""
+        columns = ", ".join(f"IS_USED_LOCK('{name}') = CONNECTION_ID()" for name in names)
+        *mine, pid = conn.exec_driver_sql(f"SELECT {columns}, CONNECTION_ID()").one()
+        held = sum(1 for m in mine if m)
+        if held:
+            raise pooler_error(
+                self._engine, f"a client connection that took no writer lease found {held} "
+                f"held by its server session (connection {pid}), left by another client")
 
     def _try_files(self, ids: list[str]) -> dict[str, Lease]:
         assert self._dir is not None

@@ -4,7 +4,8 @@ The KIP-939 recipe keeps, per transactional id, the prepared-state string of the
 that the last committed database transaction decided to commit. A writer
 
 1. locks the row inside its database transaction with :meth:`StateStore.lock` (on PostgreSQL an
-   upsert that takes the row lock and returns the stored state; on SQLite the transaction already
+   upsert that takes the row lock and returns the stored state, on MariaDB the same with
+   ``INSERT ... ON DUPLICATE KEY UPDATE ... RETURNING``; on SQLite the transaction already
    holds the database write lock through ``BEGIN IMMEDIATE``). The lock is the guard against
    zombies and split brain: two writers of one transactional id run one after the other, and the
    second sees what the first decided. A process about to end or fence the id's Kafka
@@ -33,18 +34,25 @@ from typing import Any, NoReturn
 
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 
-from dualwrite.database import bounded_wait, database_error, transaction, uses_begin_immediate
+from dualwrite.database import (
+    bounded_wait,
+    database_error,
+    is_mysql,
+    transaction,
+    uses_begin_immediate,
+)
 from dualwrite.database.schema import MAX_LENGTH, STATE_TABLE, TRANSACTION_STATE, state_table
 from dualwrite.deadline import MIN_WAIT_S, current_deadline, wait_s
 from dualwrite.errors import FatalError, TransactionStateError
 
-__all__ = ["MAX_LENGTH", "SERVER_IDENTITY", "StateRow", "StateStore", "writer_connection"]
+__all__ = ["MAX_LENGTH", "MYSQL_SERVER_IDENTITY", "SERVER_IDENTITY", "StateRow", "StateStore",
+           "writer_connection"]
 
 logger = logging.getLogger(__name__)
 
-_SUPPORTED_DIALECTS = ("postgresql", "sqlite")
+_SUPPORTED_DIALECTS = ("postgresql", "sqlite", "mysql", "mariadb")
 
 _IN_RECOVERY = "in recovery"
 #: PostgreSQL: which server process, and which history of the data, runs this statement: the
@@ -58,6 +66,32 @@ SERVER_IDENTITY = (
     f"CASE WHEN pg_is_in_recovery() THEN '{_IN_RECOVERY}' ELSE "
     "substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) || '/' || "
     "pg_postmaster_start_time()::text END")
+
+
+#: MariaDB: which server incarnation runs this statement: host, port and start time (seconds
+#: since the epoch, from its uptime: it may read one second apart between two statements). A
+#: session id (``CONNECTION_ID()``) names one session on that incarnation only; a restarted
+#: server counts them from 1 again.
+MYSQL_SERVER_IDENTITY = (
+    "CONCAT(@@hostname, ':', @@port, '@', (SELECT UNIX_TIMESTAMP() - VARIABLE_VALUE FROM "
+    "information_schema.GLOBAL_STATUS WHERE VARIABLE_NAME = 'UPTIME'))")
+#: MariaDB: every write of a state row by dualwrite sets ``updated_at`` to this, so that each
+#: committed version of a row has a greater ``updated_at`` than every earlier one (a clock that
+#: stands still or steps back cannot repeat one): the row's version, by which the outcome of
+#: a COMMIT whose answer was lost is read (:meth:`StateStore.commit_status`).
+_MYSQL_NEXT_VERSION = "GREATEST(UTC_TIMESTAMP(6), updated_at + INTERVAL 1 MICROSECOND)"
+
+
+def _same_mysql_server(now: str, then: str | None) -> bool:
+    """Whether two :data:`MYSQL_SERVER_IDENTITY` readings name one server incarnation."""
+    if then is None:
+        return False
+    here, _, started = now.rpartition("@")
+    there, _, was = then.rpartition("@")
+    try:
+        return here == there and abs(float(started) - float(was)) <= 2
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -78,12 +112,14 @@ class StateRow:
     outcome can be asked after a failed COMMIT (:meth:`StateStore.commit_status`)."""
     locked_by_pid: int | None = None
     """PostgreSQL, with ``locked_by_xid``: the server process (``pg_backend_pid()``) that ran
-    the locking transaction; the writer compares it with its lease's."""
+    the locking transaction; the writer compares it with its lease's. MariaDB: the session
+    (``CONNECTION_ID()``) that ran it."""
     locked_on: str | None = None
     """PostgreSQL, with ``locked_by_xid``: the server that ran the locking transaction (its
-    :data:`SERVER_IDENTITY`). A transaction id names one transaction on that server only: a
-    promoted standby that never received the transaction's WAL, or a server restarted after a
-    crash, may give the same id to another transaction."""
+    :data:`SERVER_IDENTITY`; on MariaDB its :data:`MYSQL_SERVER_IDENTITY`). A transaction id
+    names one transaction on that server only: a promoted standby that never received the
+    transaction's WAL, or a server restarted after a crash, may give the same id to another
+    transaction."""
 
 
 def _check(name: str, value: str, *, allow_empty: bool) -> None:
@@ -128,6 +164,32 @@ def _wait_bound(timeout_s: float | None) -> float | None:
     else:
         return None
     return max(MIN_WAIT_S, bound - min(0.3, bound / 10))
+
+
+def _mysql_wait_options(timeout_s: float | None) -> str:
+    """MariaDB: ``SET STATEMENT`` options bounding one statement's wait for row locks
+    (innodb_lock_wait_timeout, whole seconds) and its run (max_statement_time, a little
+    longer), or ``""``."""
+    if timeout_s is None:
+        return ""
+    lock_s = max(1, round(timeout_s))
+    return (f"SET STATEMENT innodb_lock_wait_timeout={lock_s}, "
+            f"max_statement_time={lock_s * 1.1 + 0.5:.3f} FOR ")
+
+
+@contextmanager
+def _mysql_session_lock_wait(conn: Connection, timeout_s: float | None) -> Iterator[None]:
+    """MariaDB: the session's innodb_lock_wait_timeout set for the block (whole seconds), then
+    restored to the session's own value."""
+    if timeout_s is None or not is_mysql(conn):
+        yield
+        return
+    conn.exec_driver_sql("SET @dualwrite_lock_wait = @@SESSION.innodb_lock_wait_timeout, "
+                         f"SESSION innodb_lock_wait_timeout = {max(1, round(timeout_s))}")
+    try:
+        yield
+    finally:
+        conn.exec_driver_sql("SET SESSION innodb_lock_wait_timeout = @dualwrite_lock_wait")
 
 
 def _utc(value: datetime) -> datetime:
@@ -241,6 +303,13 @@ class StateStore:
             f"txid_current(), pg_backend_pid(), {SERVER_IDENTITY}")
         self._pg_write_sql = (f"UPDATE {quoted} SET prepared_txn_state = %s, updated_at = %s "
                               "WHERE transactional_id = %s")
+        backquoted = "`" + table.replace("`", "``") + "`"
+        self._mysql_lock_sql = (
+            f"INSERT INTO {backquoted} (transactional_id, prepared_txn_state, updated_at) "
+            "VALUES (%s, '', UTC_TIMESTAMP(6)) "
+            "ON DUPLICATE KEY UPDATE transactional_id = transactional_id "
+            "RETURNING transactional_id, prepared_txn_state, updated_at, fencing_generation, "
+            f"NULL, CONNECTION_ID(), {MYSQL_SERVER_IDENTITY}")
 
     # -- inside the caller's transaction -------------------------------------------------------
 
@@ -285,6 +354,11 @@ class StateStore:
                                      sa.func.pg_backend_pid(),
                                      sa.literal_column(SERVER_IDENTITY)))
                 found = conn.execute(upsert).one()
+            elif is_mysql(conn):
+                # One round trip: the upsert takes the row's exclusive lock (also when the row
+                # exists) and returns it, with the session and server that hold the lock.
+                found = conn.exec_driver_sql(_mysql_wait_options(timeout_s)
+                                             + self._mysql_lock_sql, (tid,)).one()
             else:
                 conn.execute(self._insert_missing(conn, tid))
                 query = sa.select(*self._columns).where(t.c.transactional_id == tid)
@@ -308,7 +382,7 @@ class StateStore:
         t = self.table
         query = (sa.select(*self._columns)
                  .where(t.c.transactional_id.in_(ids)).order_by(t.c.transactional_id))
-        if conn.dialect.name == "postgresql":
+        if conn.dialect.name == "postgresql" or is_mysql(conn):
             query = query.with_for_update()  # rows are locked as the sorted scan returns them
         timeout_s = _wait_bound(timeout_s)
         try:
@@ -316,7 +390,8 @@ class StateStore:
                 # A row held by an orphaned idle-in-transaction session: LockTimeoutError
                 # within the caller's deadline, not a wait without end.
                 conn.exec_driver_sql(_lock_timeout_sql(timeout_s))
-            with bounded_wait(conn, "the lock of state rows"):
+            with (bounded_wait(conn, "the lock of state rows"),
+                  _mysql_session_lock_wait(conn, timeout_s if ids else None)):
                 found = {r[0]: _state_row(r) for r in conn.execute(query)} if ids else {}
         except sa.exc.SQLAlchemyError as exc:
             self._reraise(conn, exc)
@@ -334,7 +409,7 @@ class StateStore:
         stmt = (
             sa.update(t)
             .where(t.c.transactional_id == transactional_id)
-            .values(prepared_txn_state=state, updated_at=datetime.now(UTC))
+            .values(prepared_txn_state=state, updated_at=self._next_version(conn))
         )
         try:
             with bounded_wait(conn, f"the write of {transactional_id!r}'s state row"):
@@ -410,9 +485,9 @@ class StateStore:
         return row
 
     def generation_on(self, conn: Connection, transactional_id: str) -> tuple[int | None, int]:
-        """PostgreSQL, on ``conn`` outside a transaction: the id's fencing generation (None
-        without a row, not waiting for its lock) and the server process running ``conn``'s
-        session (``pg_backend_pid()``), in one round trip.
+        """PostgreSQL and MariaDB, on ``conn`` outside a transaction: the id's fencing
+        generation (None without a row, not waiting for its lock) and the server session running
+        ``conn`` (``pg_backend_pid()``, ``CONNECTION_ID()``), in one round trip.
 
         A writer holding its id's lease on ``conn`` asks this after each Kafka commit: the same
         session and generation mean nobody can have taken the lease or claimed the id since.
@@ -423,8 +498,10 @@ class StateStore:
                       .where(t.c.transactional_id == transactional_id).scalar_subquery())
         try:
             try:
+                session = (sa.func.connection_id() if is_mysql(conn)
+                           else sa.func.pg_backend_pid())
                 with bounded_wait(conn, "the lease check"):
-                    found = conn.execute(sa.select(sa.func.pg_backend_pid(), generation)).one()
+                    found = conn.execute(sa.select(session, generation)).one()
             finally:
                 conn.rollback()  # ends SQLAlchemy's implicit transaction (none on a writer's)
         except sa.exc.SQLAlchemyError as exc:
@@ -481,18 +558,26 @@ class StateStore:
         rows = [{"transactional_id": tid, "prepared_txn_state": "", "updated_at": now,
                  "fencing_generation": 1} for tid in ids]
         with transaction(self.engine, connection=connection) as conn:
-            insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
-            # One statement; its rows are upserted (and locked) in the order given.
-            stmt = insert(t).values(rows).on_conflict_do_update(
-                index_elements=[t.c.transactional_id],
-                set_={"fencing_generation": t.c.fencing_generation + 1},
-            ).returning(t.c.transactional_id, t.c.fencing_generation)
+            stmt: Any
+            if is_mysql(conn):
+                stmt = mysql.insert(t).values(rows)
+                stmt = stmt.on_duplicate_key_update(
+                    fencing_generation=t.c.fencing_generation + 1)
+            else:
+                insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+                # One statement; its rows are upserted (and locked) in the order given.
+                stmt = insert(t).values(rows).on_conflict_do_update(
+                    index_elements=[t.c.transactional_id],
+                    set_={"fencing_generation": t.c.fencing_generation + 1},
+                )
+            stmt = stmt.returning(t.c.transactional_id, t.c.fencing_generation)
             try:
                 timeout_s = _wait_bound(timeout_s)
                 if timeout_s is not None and conn.dialect.name == "postgresql":
                     conn.exec_driver_sql(_lock_timeout_sql(timeout_s))
                     conn.exec_driver_sql(_statement_timeout_sql(timeout_s))
-                claimed = {r[0]: int(r[1]) for r in conn.execute(stmt)}
+                with _mysql_session_lock_wait(conn, timeout_s):
+                    claimed = {r[0]: int(r[1]) for r in conn.execute(stmt)}
             except sa.exc.SQLAlchemyError as exc:
                 self._reraise(conn, exc)
         logger.debug("claimed %s", claimed)
@@ -532,6 +617,8 @@ class StateStore:
         was overwritten since), except an id a primary has not reached yet, which no
         transaction of its history has had.
         """
+        if is_mysql(self.engine):
+            return self._mysql_commit_status(locked, state)
         xid = locked.locked_by_xid
         if xid is None:
             raise ValueError("commit_status needs a row locked on PostgreSQL (lock_row)")
@@ -565,6 +652,69 @@ class StateStore:
             return None
         return status
 
+    def _mysql_commit_status(self, locked: StateRow, state: str) -> str | None:
+        """:meth:`commit_status` on MariaDB, which has no transaction status to ask: the
+        transaction is named by its session and by the row version it wrote.
+
+        1. The session that ran it (:attr:`StateRow.locked_by_pid` on the server incarnation
+           :attr:`StateRow.locked_on`) must have ended, so that its transaction is decided: a
+           session still listed is killed (``KILL CONNECTION``: a COMMIT it already applied
+           stays, anything else is rolled back) and the answer is ``"in progress"`` until it is
+           gone. A restarted server ended every session.
+        2. Then the row decides. Every dualwrite write raises ``updated_at`` above its previous
+           value (:data:`_MYSQL_NEXT_VERSION`), and any other process claims the id (raises its
+           fencing generation) before it acts on it: a row whose ``updated_at`` is still the
+           locked one was not written by this transaction, which wrote it — ``"aborted"``. A
+           later ``updated_at`` with ``state`` and the locked generation was written by this
+           transaction — ``"committed"``. Anything else (claimed since, deleted) cannot be
+           known: None. On another server (a failover) only ``"committed"`` is taken: a
+           replica may lag.
+        """
+        session = locked.locked_by_pid
+        if session is None:
+            raise ValueError("commit_status needs a row locked on MariaDB (lock_row)")
+        t = self.table
+        try:
+            with transaction(self.engine) as conn:
+                server = str(conn.exec_driver_sql(
+                    f"SELECT {MYSQL_SERVER_IDENTITY}").scalar_one())
+                same = _same_mysql_server(server, locked.locked_on)
+                if same and self._mysql_session_alive(conn, session):
+                    return "in progress"
+                found = conn.execute(
+                    sa.select(t.c.prepared_txn_state, t.c.updated_at, t.c.fencing_generation)
+                    .where(t.c.transactional_id == locked.transactional_id)).one_or_none()
+        except sa.exc.SQLAlchemyError as exc:
+            raise database_error(exc, self.engine.url, table=self.table.name) from exc
+        if found is None:
+            return None
+        written = _utc(found[1]) > locked.updated_at
+        if written and found[0] == state and int(found[2]) == locked.fencing_generation:
+            return "committed"
+        if same and not written:
+            return "aborted"
+        logger.warning("transactional id %r: the state row no longer shows whether session %d's "
+                       "transaction committed (%s)", locked.transactional_id, session,
+                       "claimed or rewritten since" if same else f"server {server} answers, "
+                       f"the lock was taken on {locked.locked_on}")
+        return None
+
+    @staticmethod
+    def _mysql_session_alive(conn: Connection, session: int) -> bool:
+        """Whether MariaDB still lists ``session``; if so, kill it (its end decides its
+        transaction)."""
+        alive = conn.exec_driver_sql(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = %s",
+            (session,)).scalar_one()
+        if not alive:
+            return False
+        try:
+            conn.exec_driver_sql(f"KILL CONNECTION {int(session)}")
+        except sa.exc.DBAPIError as exc:
+            if getattr(exc.orig, "args", (None,))[0] != 1094:  # unknown thread: ended meanwhile
+                raise
+        return True
+
     def compare_and_set(self, transactional_id: str, expected: str, new: str) -> bool:
         """Set the state to ``new`` only if it is still ``expected``; True if it was set.
 
@@ -578,9 +728,9 @@ class StateStore:
         stmt = (
             sa.update(t)
             .where(t.c.transactional_id == transactional_id, t.c.prepared_txn_state == expected)
-            .values(prepared_txn_state=new, updated_at=datetime.now(UTC))
         )
         with transaction(self.engine) as conn:
+            stmt = stmt.values(prepared_txn_state=new, updated_at=self._next_version(conn))
             try:
                 if expected == "":
                     conn.execute(self._insert_missing(conn, transactional_id))
@@ -620,7 +770,17 @@ class StateStore:
         }
         if conn.dialect.name == "postgresql":
             return postgresql.insert(self.table).values(values).on_conflict_do_nothing()
+        if is_mysql(conn):
+            return mysql.insert(self.table).values(values).prefix_with("IGNORE")
         return sqlite.insert(self.table).values(values).on_conflict_do_nothing()
+
+    @staticmethod
+    def _next_version(conn: Connection) -> Any:
+        """The ``updated_at`` a write stores: now; on MariaDB also above the row's last one
+        (:data:`_MYSQL_NEXT_VERSION`)."""
+        if is_mysql(conn):
+            return sa.literal_column(_MYSQL_NEXT_VERSION)
+        return datetime.now(UTC)
 
     def _reraise(self, conn: Connection, exc: sa.exc.SQLAlchemyError) -> NoReturn:
         """Raise the :func:`~dualwrite.database.database_error` of ``exc`` (chained)."""

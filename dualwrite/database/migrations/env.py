@@ -47,6 +47,17 @@ def _run(connection: Connection) -> None:
             # Two processes upgrading at once: the second waits here, then finds nothing to do.
             lock = text("SELECT pg_advisory_xact_lock(:key)")
             connection.execute(lock, {"key": MIGRATION_LOCK_KEY})
+        elif connection.dialect.name in ("mysql", "mariadb"):
+            # MariaDB commits each DDL statement itself: a session lock (GET_LOCK) instead,
+            # released when the run ends or the session does.
+            got = connection.execute(text("SELECT GET_LOCK('dualwrite-migrate', 300)")).scalar()
+            if got != 1:
+                raise RuntimeError("another dualwrite migration held its lock for 300 s")
+            try:
+                context.run_migrations()
+            finally:
+                connection.execute(text("SELECT RELEASE_LOCK('dualwrite-migrate')"))
+            return
         context.run_migrations()
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
+from sqlalchemy.dialects import mysql
 
 revision: str = "0001"
 down_revision: str | Sequence[str] | None = None
@@ -27,7 +28,9 @@ def upgrade() -> None:
         "dualwrite_transaction_state",
         sa.Column("transactional_id", sa.String(255), nullable=False),
         sa.Column("prepared_txn_state", sa.String(255), nullable=False, server_default=""),
-        sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+        # MariaDB: microseconds, the row's version there (StateStore.commit_status).
+        sa.Column("updated_at", sa.DateTime(timezone=True).with_variant(
+            mysql.DATETIME(fsp=6), "mysql", "mariadb"), nullable=False),
         sa.PrimaryKeyConstraint("transactional_id", name="pk_dualwrite_transaction_state"),
     )
 
