@@ -66,6 +66,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="also run the long fault suite: N mixed faults on a 3-broker cluster",
     )
     parser.addoption(
+        "--mariadb-full", action="store_true", default=False,
+        help="run the crash matrix on MariaDB with DUALWRITE_CRASH_ROUNDS kills per point "
+             "(one by default)",
+    )
+    parser.addoption(
         "--compat-full", action="store_true", default=False,
         help="run the whole compatibility tier (tests/test_compat.py) on every version, "
              "not only its quick form",
