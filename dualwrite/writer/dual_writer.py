@@ -1029,7 +1029,7 @@ class DualWriter:
                 raise OutcomeUnknownError(
                     f"{unknown}: the database reports transaction "
                     f"{locked.locked_by_xid or f'of session {locked.locked_by_pid}'} as "
-                    f"{status or 'unknown (too old, or run by a server it failed over from)'}; "
+                    f"{status or 'unknown (too old, claimed since, or run by a server it failed over from)'}; "
                     "the Kafka transaction stays open: run `dualwrite recover` once the "
                     "database transaction has ended (it decides by the state row)")
             time.sleep(0.05)
