@@ -111,7 +111,7 @@ def test_a_deadlock_and_a_killed_session_are_typed(engine: sa.Engine) -> None:
         def a_wants_b() -> None:
             try:
                 store.lock_row(a, b_id, timeout_s=10)
-            except BaseException as exc:  # noqa: BLE001 - handed to the test
+            except BaseException as exc:
                 errors.append(exc)
 
         waiter = threading.Thread(target=a_wants_b)
@@ -119,7 +119,7 @@ def test_a_deadlock_and_a_killed_session_are_typed(engine: sa.Engine) -> None:
         time.sleep(0.3)
         try:
             store.lock_row(b, a_id, timeout_s=10)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
         waiter.join(15)
         a.rollback()
@@ -131,9 +131,8 @@ def test_a_deadlock_and_a_killed_session_are_typed(engine: sa.Engine) -> None:
         session = _session(victim)
         victim.rollback()
         _kill(engine, session)
-        with pytest.raises(DatabaseUnreachableError):
-            with victim.begin():
-                store.lock_row(victim, a_id)
+        with pytest.raises(DatabaseUnreachableError), victim.begin():
+            store.lock_row(victim, a_id)
 
 
 def test_the_lease_is_the_sessions_user_lock(engine: sa.Engine) -> None:
@@ -148,7 +147,13 @@ def test_the_lease_is_the_sessions_user_lock(engine: sa.Engine) -> None:
         assert leases.try_acquire(b, tid) is None  # a's transactions end; its lease does not
         b.rollback()
         _kill(engine, held.backend_pid)
-        assert wait_for(lambda: (leases.try_acquire(b, tid) is not None, b.rollback())[0], 10)
+
+        def taken() -> bool:
+            got = leases.try_acquire(b, tid) is not None
+            b.rollback()
+            return got
+
+        assert wait_for(taken, 10)
 
 
 def test_a_live_writers_lease_keeps_recovery_off(engine: sa.Engine, bootstrap: str) -> None:
@@ -225,7 +230,7 @@ def test_a_commit_that_never_arrived_is_found_aborted(
         def lost() -> None:
             try:
                 _write(writer, topic, "never")
-            except BaseException as exc:  # noqa: BLE001 - handed to the test
+            except BaseException as exc:
                 failure.append(exc)
 
         thread = threading.Thread(target=lost)
@@ -254,7 +259,11 @@ def test_commit_status_waits_for_a_live_session(engine: sa.Engine) -> None:
         store.write(conn, tid, "pending")
         assert store.commit_status(row, "pending") == "in progress"
         answers: list[Any] = []
-        assert wait_for(lambda: answers.append(store.commit_status(row, "pending"))
-                        or answers[-1] != "in progress", 10)
+
+        def decided() -> bool:
+            answers.append(store.commit_status(row, "pending"))
+            return answers[-1] != "in progress"
+
+        assert wait_for(decided, 10)
         assert answers[-1] == "aborted"
         conn.invalidate()

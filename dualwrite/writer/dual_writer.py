@@ -1026,10 +1026,12 @@ class DualWriter:
             if status in ("committed", "aborted"):
                 return status == "committed"
             if status is None or time.monotonic() > deadline:
+                said = status or ("unknown (too old, claimed since, or run by a server it "
+                                  "failed over from)")
                 raise OutcomeUnknownError(
                     f"{unknown}: the database reports transaction "
                     f"{locked.locked_by_xid or f'of session {locked.locked_by_pid}'} as "
-                    f"{status or 'unknown (too old, claimed since, or run by a server it failed over from)'}; "
+                    f"{said}; "
                     "the Kafka transaction stays open: run `dualwrite recover` once the "
                     "database transaction has ended (it decides by the state row)")
             time.sleep(0.05)
