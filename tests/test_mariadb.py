@@ -262,7 +262,7 @@ def test_commit_status_waits_for_a_live_session(engine: sa.Engine) -> None:
 
         def decided() -> bool:
             answers.append(store.commit_status(row, "pending"))
-            return answers[-1] != "in progress"
+            return bool(answers[-1] != "in progress")
 
         assert wait_for(decided, 10)
         assert answers[-1] == "aborted"
