@@ -257,6 +257,15 @@ def test_two_writers_one_transactional_id_stale_one_is_fenced(
 
 
 def _kill_backend(db_url: str, pid: int) -> None:
+    """End the server session ``pid``: pg_terminate_backend, or MariaDB's KILL CONNECTION."""
+    if normalize_url(db_url).get_backend_name() in ("mysql", "mariadb"):
+        killer_engine = dualwrite.create_engine(db_url)
+        try:
+            with killer_engine.connect() as killer:
+                killer.exec_driver_sql(f"KILL CONNECTION {int(pid)}")
+        finally:
+            killer_engine.dispose()
+        return
     plain_url = normalize_url(db_url).set(drivername="postgresql").render_as_string(
         hide_password=False)
     with psycopg.connect(plain_url, autocommit=True) as killer:
@@ -264,13 +273,16 @@ def _kill_backend(db_url: str, pid: int) -> None:
 
 
 def _backend_pid(conn: sa.Connection) -> int:
+    """The server session of ``conn``: PostgreSQL's backend pid, MariaDB's CONNECTION_ID()."""
+    if conn.dialect.name in ("mysql", "mariadb"):
+        return int(conn.connection.dbapi_connection.thread_id())  # type: ignore[union-attr]
     return int(conn.connection.dbapi_connection.info.backend_pid)  # type: ignore[union-attr]
 
 
 def kill_session_before_the_decision(monkeypatch: pytest.MonkeyPatch, db_url: str
                                      ) -> list[int]:
-    """Make the next state-row write and COMMIT (one pipelined round trip) go out on a session
-    that pg_terminate_backend has just ended; returns the killed backend's pid, once it ran."""
+    """Make the next state-row write and COMMIT (one pipelined round trip on psycopg) go out on a
+    session that pg_terminate_backend (MariaDB: KILL CONNECTION) has just ended; returns the killed backend's pid, once it ran."""
     real = StateStore.write_and_commit
     killed: list[int] = []
 

@@ -52,6 +52,15 @@ writers = test_recipe.writers
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.fixture(params=["postgresql", "sqlite",
+                        pytest.param("mariadb", marks=pytest.mark.mariadb_full)])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Every interleaving on every database (narrowed per test where it needs a server's own
+    fault). On MariaDB the tests parametrized with it explicitly run always, the others with
+    ``--mariadb-full``."""
+    return str(request.param)
+
+
 def _next_transaction_in_the_log(cp: ControlPlane, tid: str, anchor: PreparedTxnState) -> bool:
     """The coordinator's open transaction of ``tid`` started somewhere other than ``anchor``'s
     offset: the session's next transaction has a record in a partition's log."""
@@ -252,11 +261,12 @@ def lapsed_lease(writer: DualWriter, engine: sa.Engine, bootstrap: str, topic: s
     return window
 
 
-@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("backend", ["postgresql", "mariadb"], indirect=True)
 def test_recovery_after_the_lease_was_lost_cannot_commit_the_writers_next_transaction(
         writers: Any, engine: sa.Engine, bootstrap: str, topic: str, db_url: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """pg_terminate_backend on the writer's session between its two commits frees its lease;
+    """pg_terminate_backend (MariaDB: KILL) on the writer's session between its two commits
+    frees its lease;
     recovery takes it and its EndTxn by (producer id, epoch) is delayed. Before: the writer
     began t2 in the same session, the late EndTxn committed t2's record before its rows, and the
     writer could only report it (HeuristicCommitError; Kafka [t0, t1, t2], rows [t0, t1]). Now
@@ -370,7 +380,7 @@ def test_the_hooks_republish_survives_a_failing_block(
 # -- 6. a lost COMMIT is asked about by the transaction's id -----------------------------------
 
 
-@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("backend", ["postgresql", "mariadb"], indirect=True)
 def test_a_lost_commit_of_an_empty_block_is_not_taken_for_committed(
         writers: Any, engine: sa.Engine, bootstrap: str, topic: str, db_url: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -424,7 +434,7 @@ def test_a_commit_whose_answer_was_lost_is_committed_even_if_the_state_was_clear
 # -- every wait is bounded ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("backend", ["postgresql", "mariadb"], indirect=True)
 def test_a_state_row_held_too_long_fails_the_writer_with_a_typed_error(
         engine: sa.Engine, bootstrap: str, topic: str) -> None:
     """Another process holds the state-row lock (a paused recovery, say): the writer waits no
@@ -453,7 +463,7 @@ def test_a_state_row_held_too_long_fails_the_writer_with_a_typed_error(
 RECOVERY_LOOP_S = float(__import__("os").environ.get("DUALWRITE_RECOVERY_LOOP_S", "8"))
 
 
-@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("backend", ["postgresql", "mariadb"], indirect=True)
 def test_writers_beside_a_recovery_loop_with_late_commits(
         writers: Any, db_url: str, bootstrap: str, topic: str,
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
