@@ -282,7 +282,8 @@ def _backend_pid(conn: sa.Connection) -> int:
 def kill_session_before_the_decision(monkeypatch: pytest.MonkeyPatch, db_url: str
                                      ) -> list[int]:
     """Make the next state-row write and COMMIT (one pipelined round trip on psycopg) go out on a
-    session that pg_terminate_backend (MariaDB: KILL CONNECTION) has just ended; returns the killed backend's pid, once it ran."""
+    session that pg_terminate_backend (MariaDB: KILL CONNECTION) has just ended; returns the
+    killed backend's pid, once it ran."""
     real = StateStore.write_and_commit
     killed: list[int] = []
 

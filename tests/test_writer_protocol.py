@@ -463,7 +463,9 @@ def test_a_state_row_held_too_long_fails_the_writer_with_a_typed_error(
 RECOVERY_LOOP_S = float(__import__("os").environ.get("DUALWRITE_RECOVERY_LOOP_S", "8"))
 
 
-@pytest.mark.parametrize("backend", ["postgresql", "mariadb"], indirect=True)
+@pytest.mark.parametrize(
+    "backend", ["postgresql", pytest.param("mariadb", marks=pytest.mark.mariadb_full)],
+    indirect=True)
 def test_writers_beside_a_recovery_loop_with_late_commits(
         writers: Any, db_url: str, bootstrap: str, topic: str,
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
