@@ -26,6 +26,14 @@ from tests._kafka_helpers import read_committed, unique
 
 pytestmark = pytest.mark.timeout(180)
 
+
+@pytest.fixture(params=["postgresql", "sqlite",
+                        pytest.param("mariadb", marks=pytest.mark.mariadb_full)])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Every database; on MariaDB the decision lock's race always, the rest with
+    ``--mariadb-full``."""
+    return str(request.param)
+
 OPEN = [TxnState.ONGOING, TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT]
 
 
@@ -452,6 +460,7 @@ def test_recover_on_a_state_table_of_an_older_revision_names_the_upgrade(
         dualwrite.recover(empty_db_url, kconf, timeout_s=20)
 
 
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite", "mariadb"], indirect=True)
 def test_recover_during_a_running_batch_cannot_abort_a_verified_participant(
         engine: sa.Engine, kconf: dict[str, Any], cp: ControlPlane, bootstrap: str, topic: str,
         sink: str, monkeypatch: pytest.MonkeyPatch) -> None:

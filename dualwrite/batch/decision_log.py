@@ -17,6 +17,7 @@ was decided before and is skipped when Spark replays it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -33,6 +34,7 @@ from sqlalchemy import Connection, Engine
 from dualwrite.database import (
     advisory_keys,
     database_error,
+    is_mysql,
     lock_folder,
     transaction,
     try_file_lock,
@@ -146,6 +148,41 @@ class DecisionLog:
         finally:
             os.close(fd)  # releases the lock
 
+    @contextmanager
+    def _session_lock(self, sink_id: str, timeout_s: float) -> Iterator[Connection | None]:
+        """MariaDB: the sink's decision lock, a user lock (``GET_LOCK``) of a connection of its
+        own, yielded for the locked transaction to run on; released after that transaction
+        ended, so a session that waits for it sees the outcome of a COMMIT still in flight (as
+        PostgreSQL's transaction-level advisory lock does). None on other databases.
+        """
+        if not is_mysql(self.engine):
+            yield None
+            return
+        name = "dualwrite-sink-" + hashlib.sha256(sink_id.encode()).hexdigest()[:40]
+        try:
+            conn = self.engine.connect()
+        except sa.exc.DBAPIError as exc:
+            raise self._typed(exc, sink_id) from exc
+        with conn:
+            try:
+                got = conn.exec_driver_sql(
+                    f"SELECT GET_LOCK('{name}', {max(0.0, timeout_s):.3f})").scalar()
+                conn.commit()  # a user lock outlives the transaction
+            except sa.exc.DBAPIError as exc:
+                raise self._typed(exc, sink_id) from exc
+            if got != 1:
+                raise LockTimeoutError(
+                    f"sink {sink_id!r}: the decision lock stayed held by another process (the "
+                    f"sink's driver or `dualwrite recover`) for {timeout_s:g} s; retry")
+            try:
+                yield conn
+            finally:
+                try:
+                    conn.exec_driver_sql(f"SELECT RELEASE_LOCK('{name}')")
+                    conn.commit()
+                except sa.exc.SQLAlchemyError:
+                    conn.invalidate()  # the session's end releases it
+
     def _migration_error(self, exc: sa.exc.DBAPIError) -> MigrationRequiredError:
         return MigrationRequiredError(
             f"the batch-sink tables are missing ({exc.orig}); run `dualwrite db upgrade --db URL`")
@@ -225,7 +262,8 @@ class DecisionLog:
                 yield None, (found[0] if found else None)
             return
         try:
-            with transaction(self.engine) as conn:
+            with (self._session_lock(sink_id, timeout_s) as own,
+                  transaction(self.engine, connection=own) as conn):
                 self._lock(conn, sink_id, timeout_s)
                 found = self._read(conn, [sink_id])
                 yield conn, (found[0] if found else None)
@@ -264,7 +302,8 @@ class DecisionLog:
                         if progress is not None:
                             progress.append("commit")
                 return True
-            with transaction(self.engine) as conn:
+            with (self._session_lock(sink_id, timeout_s) as own,
+                  transaction(self.engine, connection=own) as conn):
                 last, completed = self._lock(conn, sink_id, timeout_s)
                 if not self._may_decide(sink_id, batch_id, last, completed):
                     return False
@@ -318,7 +357,8 @@ class DecisionLog:
         PostgreSQL: a transaction-level advisory lock on a key derived from the sink id. Unlike
         ``SELECT ... FOR UPDATE`` it exists before the sink's first decision (no row to lock
         yet), and it is held until the transaction's COMMIT has finished on the server, so a
-        session that waits for it sees the outcome of a COMMIT still in flight. SQLite in memory:
+        session that waits for it sees the outcome of a COMMIT still in flight. MariaDB: the
+        caller holds :meth:`_session_lock` already. SQLite in memory:
         the transaction holds the write lock already (BEGIN IMMEDIATE); an SQLite file uses
         :meth:`_file_lock` instead.
         """
