@@ -25,6 +25,14 @@ from tests._kafka_helpers import read_committed, unique
 
 pytestmark = pytest.mark.timeout(180)
 
+
+@pytest.fixture(params=["postgresql", "sqlite",
+                        pytest.param("mariadb", marks=pytest.mark.mariadb_full)])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Every database; on MariaDB the slot locks' test always, the rest with
+    ``--mariadb-full``."""
+    return str(request.param)
+
 WORKER = Path(__file__).with_name("pool_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -221,6 +229,7 @@ def _read_ids(proc: subprocess.Popen[str]) -> list[str]:
     return line.split()[1:]
 
 
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite", "mariadb"], indirect=True)
 def test_two_pools_in_two_processes_take_different_ids(db_url: str, engine: sa.Engine,
                                                        bootstrap: str, topic: str) -> None:
     prefix = unique("pool")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import queue
@@ -43,6 +44,7 @@ from dualwrite.database import (
     advisory_keys,
     create_engine,
     database_error,
+    is_mysql,
     lock_folder,
     try_file_lock,
     unreachable_error,
@@ -102,12 +104,20 @@ def breaks_writer(exc: BaseException) -> bool:
     return not isinstance(exc, Exception)
 
 
+def _slot_lock_name(transactional_id: str) -> str:
+    """MariaDB: the user-lock name of a pool slot (at most 64 characters)."""
+    return "dualwrite-pool-" + hashlib.sha256(
+        _SLOT_NAMESPACE + b"\0" + transactional_id.encode()).hexdigest()[:40]
+
+
 class _Slots:
     """This process's hold on pool slots: which ids of a prefix are its own (module docstring)."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._dialect = engine.dialect.name
+        # MariaDB's session user locks (GET_LOCK) serve as PostgreSQL's advisory locks do.
+        self._mysql = is_mysql(engine)
+        self._dialect = "postgresql" if self._mysql else engine.dialect.name
         self._dir = lock_folder(engine, ".dualwrite-pool")
         self._conn: Connection | None = None
         self._fds: dict[str, int] = {}
@@ -141,8 +151,11 @@ class _Slots:
                 self._conn = self._engine.connect()
             except sa.exc.SQLAlchemyError as exc:
                 raise unreachable_error(self._engine.url, exc) from exc
-        keys = [advisory_keys(_SLOT_NAMESPACE, tid) for tid in ids]
-        columns = ", ".join(f"pg_try_advisory_lock({k1}, {k2})" for k1, k2 in keys)
+        if self._mysql:
+            columns = ", ".join(f"GET_LOCK('{_slot_lock_name(tid)}', 0) = 1" for tid in ids)
+        else:
+            keys = [advisory_keys(_SLOT_NAMESPACE, tid) for tid in ids]
+            columns = ", ".join(f"pg_try_advisory_lock({k1}, {k2})" for k1, k2 in keys)
         try:
             got = self._conn.exec_driver_sql(f"SELECT {columns}").one()
             self._conn.commit()  # session-level locks outlive the transaction
@@ -159,8 +172,10 @@ class _Slots:
             os.close(fd)
         elif self._conn is not None:
             k1, k2 = advisory_keys(_SLOT_NAMESPACE, tid)
+            unlock = (f"SELECT RELEASE_LOCK('{_slot_lock_name(tid)}')" if self._mysql
+                      else f"SELECT pg_advisory_unlock({k1}, {k2})")
             try:
-                self._conn.exec_driver_sql(f"SELECT pg_advisory_unlock({k1}, {k2})")
+                self._conn.exec_driver_sql(unlock)
                 self._conn.commit()
             except sa.exc.SQLAlchemyError:
                 self._lose_connection()
@@ -196,7 +211,8 @@ class _Slots:
         conn, self._conn = self._conn, None
         if conn is not None:
             try:
-                conn.exec_driver_sql("SELECT pg_advisory_unlock_all()")
+                conn.exec_driver_sql("SELECT RELEASE_ALL_LOCKS()" if self._mysql
+                                     else "SELECT pg_advisory_unlock_all()")
                 conn.commit()
                 conn.close()
             except sa.exc.SQLAlchemyError:
