@@ -412,7 +412,7 @@ export DUALWRITE_DATABASE_URL="$SCENARIO_DATABASE_URL"
              '.venv/bin/dualwrite -v status -b "$DUALWRITE_BOOTSTRAP_SERVERS" '
              '--db "$DUALWRITE_DATABASE_URL" >/dev/null'),
             ("dualwrite dev up [--brokers 1|3] [--kafka-version V] [--security sasl] "
-             "[--postgres] [--topic NAME]",
+             "[--postgres|--mariadb] [--topic NAME]",
              ".venv/bin/dualwrite dev up --topic cli-verbs"),
             ("dualwrite dev create-topic NAME [--partitions N] | dev status | dev down",
              ".venv/bin/dualwrite dev create-topic cli-verbs-2 --partitions 2 && "
