@@ -23,7 +23,7 @@ import dualwrite
 from dualwrite import ConsumedMessage, DualWriteTransaction, ExactlyOnceConsumer
 from dualwrite.dev import KafkaTarget, LocalKafkaCluster
 from dualwrite.participant import ControlPlane, TxnState
-from tests._db_helpers import fresh_schema
+from tests._db_helpers import fresh_mariadb_database, fresh_schema
 from tests.conftest import BACKEND, KAFKA_VERSION
 from tests.test_crash_matrix import read_committed_keys
 
@@ -80,14 +80,20 @@ class Setup:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-@pytest.fixture
-def setup(kafka: KafkaTarget, new_topic: object, postgres_url: str) -> Iterator[Setup]:
+@pytest.fixture(params=["postgresql", pytest.param("mariadb", marks=pytest.mark.mariadb_full)])
+def setup(kafka: KafkaTarget, new_topic: object,
+          request: pytest.FixtureRequest) -> Iterator[Setup]:
+    """PostgreSQL; MariaDB too with ``--mariadb-full``."""
     create = new_topic  # the conftest factory
-    with fresh_schema(postgres_url, "dw_consumer") as url:
+    database = (fresh_schema(request.getfixturevalue("postgres_url"), "dw_consumer")
+                if request.param == "postgresql" else
+                fresh_mariadb_database(request.getfixturevalue("mariadb_url"), "dw_consumer"))
+    with database as url:
         dualwrite.upgrade_database(url)
         engine = dualwrite.create_engine(url)
         with engine.begin() as conn:
-            conn.execute(sa.text("CREATE TABLE effects (input_id TEXT NOT NULL, worker INT)"))
+            conn.execute(sa.text("CREATE TABLE effects (input_id VARCHAR(100) NOT NULL, "
+                                 "worker INT)"))
         engine.dispose()
         yield Setup(kafka.bootstrap_servers, url, f"g-{uuid.uuid4().hex[:8]}",
                     create(kafka, partitions=3), create(kafka, partitions=3))  # type: ignore
