@@ -474,6 +474,8 @@ def _async_url(url: str) -> str:
     return url.replace("sqlite:", "sqlite+aiosqlite:", 1) if url.startswith("sqlite:") else url
 
 
+# No async MariaDB driver is installed (aiomysql, asyncmy): PostgreSQL and SQLite only.
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite"], indirect=True)
 def test_async_pool_takes_an_async_engine(db_url: str, engine: sa.Engine, bootstrap: str,
                                           topic: str) -> None:
     """An application's own ``AsyncEngine`` (psycopg 3 async on PostgreSQL, aiosqlite on
