@@ -21,7 +21,8 @@ import sqlalchemy as sa
 
 import dualwrite
 from dualwrite import DatabaseUnreachableError, DualWriter
-from dualwrite.errors import LockTimeoutError, TransactionConflictError
+from dualwrite.database import check_mariadb_version
+from dualwrite.errors import ConfigurationError, LockTimeoutError, TransactionConflictError
 from dualwrite.writer import StateStore
 from dualwrite.writer.lease import Leases
 from tests._kafka_helpers import read_committed, unique, wait_for
@@ -49,6 +50,16 @@ def _session(conn: sa.Connection) -> int:
 def _kill(engine: sa.Engine, session: int) -> None:
     with engine.connect() as killer:
         killer.exec_driver_sql(f"KILL CONNECTION {session}")
+
+
+def test_a_mysql_server_is_refused_by_name(engine: sa.Engine) -> None:
+    """MariaDB's version string passes; MySQL's is a ConfigurationError saying why (no MySQL
+    server here: the check is the pure function every mysql:// connection runs)."""
+    with engine.connect() as conn:
+        version = conn.exec_driver_sql("SELECT VERSION()").scalar()
+    check_mariadb_version(str(version))
+    with pytest.raises(ConfigurationError, match=r"MySQL 8\.4\.3, not MariaDB"):
+        check_mariadb_version("8.4.3")
 
 
 def test_engines_run_read_committed(engine: sa.Engine) -> None:

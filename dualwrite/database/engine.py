@@ -64,6 +64,7 @@ __all__ = [
     "database_error",
     "head_revision",
     "is_missing_schema",
+    "check_mariadb_version",
     "is_mysql",
     "mask_url",
     "migrations_dir",
@@ -208,7 +209,9 @@ def create_engine(url: str | URL, **kw: Any) -> Engine:
             connect_args.setdefault("charset", "utf8mb4")
         kw.setdefault("isolation_level", MYSQL_ISOLATION_LEVEL)
         kw.setdefault("pool_pre_ping", True)
-        return _sa_engine(parsed, connect_args, kw)
+        engine = _sa_engine(parsed, connect_args, kw)
+        event.listen(engine, "connect", _refuse_mysql)
+        return engine
     if "connect_timeout" not in parsed.query:
         connect_args.setdefault("connect_timeout", DEFAULT_PG_CONNECT_TIMEOUT_S)
     if parsed.get_driver_name() == "psycopg":
@@ -223,6 +226,21 @@ def create_engine(url: str | URL, **kw: Any) -> Engine:
     if libpq:
         event.listen(engine, "do_connect", _connect_within_deadline)
     return engine
+
+
+def check_mariadb_version(version: str) -> None:
+    """Refuse a MySQL server behind a ``mysql://`` URL: the recipe's MariaDB forms (``INSERT …
+    RETURNING``, ``SET STATEMENT … FOR``) do not exist there, and a first statement failing
+    with an SQL error would not say why."""
+    if "mariadb" not in version.lower():
+        raise ConfigurationError(
+            f"the server behind this mysql:// URL is MySQL {version.split('-')[0]}, not "
+            "MariaDB: dualwrite supports MariaDB (10.11 tested); MySQL lacks the INSERT … "
+            "RETURNING and SET STATEMENT forms the recipe uses")
+
+
+def _refuse_mysql(dbapi_connection: Any, _record: Any) -> None:
+    check_mariadb_version(str(dbapi_connection.get_server_info()))
 
 
 def _sa_engine(url: URL, connect_args: dict[str, Any], kw: dict[str, Any]) -> Engine:
