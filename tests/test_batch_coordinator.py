@@ -502,9 +502,9 @@ def test_recover_during_a_running_batch_cannot_abort_a_verified_participant(
     assert open_in_pool(cp, sink) == []
 
 
-def test_publish_counts_the_rows_it_moves(engine: sa.Engine, sink: str) -> None:
-    """The decision logs how many staged rows it published (INSERT ... SELECT: PostgreSQL
-    reported -1 unless the row count is asked for)."""
+def test_apply_counts_the_rows_it_moves(engine: sa.Engine, sink: str) -> None:
+    """The apply logs how many staged rows it moved (INSERT ... SELECT: PostgreSQL reported -1
+    unless the row count is asked for) and deletes the batch's staged rows, losers' too."""
     sa.Table("items", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True),
              sa.Column("name", sa.String(50))).create(engine)
     staging = StagingTable(engine, "items")
@@ -512,7 +512,8 @@ def test_publish_counts_the_rows_it_moves(engine: sa.Engine, sink: str) -> None:
     staging.write(sink, 1, "k-win", [(1, "a"), (2, "b")])
     staging.write(sink, 1, "k-lose", [(3, "c")])
     with engine.begin() as conn:
-        assert staging.publish(conn, sink, 1, ["k-win"]) == 2
+        assert StagingTable.apply(conn, sink, 1, staging.pending(["k-win"])) == 2
+    assert staging.count(sink) == 0
 
 
 def test_staging_failures_are_typed(engine: sa.Engine, sink: str) -> None:

@@ -6,10 +6,11 @@ transaction per non-empty partition (the participants) and prepare it; the drive
 1. verifies that every participant is still open under the producer id and epoch it prepared
    with (a late zombie attempt could have re-initialised the id and aborted it);
 2. records the decision with :class:`~dualwrite.batch.decision_log.DecisionLog` (one database
-   transaction, which also publishes the batch's staged rows);
+   transaction of O(participants) rows, naming the batch's winning staged rows);
 3. commits every participant by (producer id, epoch) in parallel, from this process;
-4. marks the batch completed and aborts every other open transaction of the sink (losing task
-   attempts, speculative copies).
+4. marks the batch completed, in one transaction with moving its staged rows into the target
+   table, and aborts every other open transaction of the sink (losing task attempts,
+   speculative copies).
 
 Once a batch is decided it is only ever completed, never written again (its tasks would
 re-initialise the pooled ids and abort its participants); an in-doubt batch is completed before
@@ -102,8 +103,6 @@ class BatchTimings:
     commit_s: float = 0.0
     complete_s: float = 0.0
     sweep_s: float = 0.0
-    cleanup_s: float = 0.0
-    """Deleting the batch's staged rows, after the commit (not part of the decision)."""
     aborted: list[str] = field(default_factory=list)
 
     @property
@@ -348,8 +347,10 @@ class BatchCoordinator:
                 if record is not None and record.in_doubt else set()
             aborted = self.sweep(keep=keep)
         if self.staging is not None and record is not None:
-            # A decided batch's winners were published in its decision; what is left is garbage.
-            purged = self.staging.purge(self.sink_id, up_to_batch=record.last_batch_id)
+            # A completed batch's winners were applied; what is left of it and older batches is
+            # garbage. An in-doubt batch's rows wait for its completion, which applies them.
+            last = record.last_batch_id if not record.in_doubt else record.last_batch_id - 1
+            purged = self.staging.purge(self.sink_id, up_to_batch=last)
             if purged:
                 log.info("sink=%s dropped %d staged rows of decided batches (stragglers)",
                          self.sink_id, purged)
@@ -470,13 +471,8 @@ class BatchCoordinator:
         timings.aborted = self._quietly("abort losing attempts", lambda: self.sweep(keep=keep),
                                         list[str]())
         t5 = time.perf_counter()
-        if self.staging is not None:
-            staging = self.staging
-            self._quietly("delete staged rows",
-                          lambda: staging.purge(self.sink_id, up_to_batch=batch_id), 0)
-        t6 = time.perf_counter()
         timings.decide_s, timings.commit_s = t2 - t0 - timings.verify_s, t3 - t2
-        timings.complete_s, timings.sweep_s, timings.cleanup_s = t4 - t3, t5 - t4, t6 - t5
+        timings.complete_s, timings.sweep_s = t4 - t3, t5 - t4
         log.info("sink=%s batch=%d committed %d participants (%d records); verify %.0f ms, "
                  "decide %.0f ms, commit %.0f ms, sweep %.0f ms, aborted %d", self.sink_id,
                  batch_id, len(participants), sum(p.records for p in participants),
@@ -505,8 +501,8 @@ class BatchCoordinator:
                               "left to the next batch, start or `dualwrite recover`",
                               self.sink_id, batch_id, self._timeout_s, exc)
                     raise RecoverableError(
-                        f"sink {self.sink_id!r} batch {batch_id} was decided (its rows are "
-                        f"published) but committing its participants failed ({exc}); do not "
+                        f"sink {self.sink_id!r} batch {batch_id} was decided but committing its "
+                        f"participants (and applying its rows) failed ({exc}); do not "
                         "write it again: the sink completes it before its next batch or at its "
                         "next start, or run `dualwrite recover`") from exc
                 log.warning("sink=%s batch=%d decided; completing it failed (%s), retrying in "

@@ -2,32 +2,37 @@
 
 A batch sink (the Spark ``foreachBatch`` sink) writes each batch to Kafka through several
 participant transactions, one per non-empty partition, and to SQL tables through a staging table.
-The driver then records its decision in one database transaction:
+The driver then records its decision in one database transaction, whose size does not depend on
+the batch's rows:
 
-- ``dualwrite_batch_sink``: the sink's last decided batch id and whether its participants were all
-  committed (migration 0002);
-- ``dualwrite_batch_participant``: the prepared state of each participant of that batch;
-- the batch's winning staged rows move into the target table, and staged rows of this and older
-  batches are deleted.
+- ``dualwrite_batch_sink``: the sink's last decided batch id, whether it is completed, and which
+  staged rows (the winning attempts') the batch publishes (migration 0002, ``pending_apply`` 0005);
+- ``dualwrite_batch_participant``: the prepared state of each participant of that batch.
 
 That commit is the decision: a restart (or ``dualwrite recover``) commits the recorded participants
 and aborts every other open transaction of the sink. A batch id at or below the last decided one
-was decided before and is skipped when Spark replays it.
+was decided before and is skipped when Spark replays it. After the participants are committed,
+one more transaction (:meth:`DecisionLog.mark_completed`) moves the winners' staged rows into the
+target, deletes the batch's staged rows and marks the batch completed, all or nothing: the rows
+become visible to the table's readers at that commit, as the records do at their EndTxn.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 import logging
 import os
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import pyarrow as pa
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
@@ -66,6 +71,14 @@ log = logging.getLogger(__name__)
 _SINK_ID = re.compile(r"[A-Za-z0-9._-]{1,200}")
 # Columns the staging table adds to the target's.
 _STAGING_COLUMNS = ("dw_sink_id", "dw_batch_id", "dw_attempt")
+
+
+def _csv_safe(kind: pa.DataType) -> bool:
+    """Whether pyarrow's CSV writer renders ``kind`` as PostgreSQL's COPY reads it back."""
+    return bool(pa.types.is_integer(kind) or pa.types.is_floating(kind)
+                or pa.types.is_boolean(kind) or pa.types.is_string(kind)
+                or pa.types.is_large_string(kind) or pa.types.is_decimal(kind)
+                or pa.types.is_date(kind) or pa.types.is_null(kind))
 
 
 def check_sink_id(sink_id: str) -> str:
@@ -113,8 +126,11 @@ def _utc(value: datetime) -> datetime:
 
 
 def _missing_table(exc: sa.exc.DBAPIError) -> bool:
+    """A table or column of the decision log is missing: the schema predates a migration."""
     orig = exc.orig
-    return getattr(orig, "sqlstate", None) == "42P01" or "no such table" in str(orig).lower()
+    text = str(orig).lower()
+    return (getattr(orig, "sqlstate", None) in ("42P01", "42703") or "no such table" in text
+            or ("no such column" in text and "pending_apply" in text))
 
 
 class DecisionLog:
@@ -280,8 +296,10 @@ class DecisionLog:
                progress: list[str] | None = None) -> bool:
         """Record the decision to commit ``batch_id``; False if it (or a later one) was decided.
 
-        In the same transaction the winning attempts' staged rows are published into the target
-        table. ``verify`` runs under the sink's lock before anything is written; if it raises,
+        With ``staging``, the decision names the winning attempts' staged rows, which
+        :meth:`mark_completed` moves into the target table after the participants' commit (the
+        decision writes O(participants) rows, whatever the batch's size). ``verify`` runs
+        under the sink's lock before anything is written; if it raises,
         nothing is decided. Raises :class:`BatchInDoubtError`, writing nothing, while the last
         decided batch is not completed: a decision must never overwrite an in-doubt one.
         ``progress`` receives ``"commit"`` when the COMMIT is about to be sent: an error before
@@ -338,13 +356,11 @@ class DecisionLog:
                  "batch_id": batch_id, "partition_id": p.partition_id,
                  "prepared_txn_state": str(p.state), "records": p.records}
                 for p in participants])
-        if staging is not None:
-            keys = [p.attempt_key for p in participants if p.attempt_key]
-            moved = staging.publish(conn, sink_id, batch_id, keys)
-            log.info("sink=%s batch=%d published %d staged rows into %s", sink_id,
-                     batch_id, moved, staging.target)
+        keys = [p.attempt_key for p in participants if p.attempt_key]
+        pending = staging.pending(keys) if staging is not None and keys else None
         values = {"last_batch_id": batch_id, "completed": not participants,
-                  "decided_at": now, "completed_at": now if not participants else None}
+                  "decided_at": now, "completed_at": now if not participants else None,
+                  "pending_apply": pending}
         if last is None:
             conn.execute(sa.insert(_SINKS).values(sink_id=sink_id, **values))
         else:
@@ -376,22 +392,40 @@ class DecisionLog:
             return None, True
         return int(row.last_batch_id), bool(row.completed)
 
-    def mark_completed(self, sink_id: str, batch_id: int, conn: Connection | None = None) -> None:
-        """Every participant of ``batch_id`` is committed (no-op if a later batch was decided).
+    def mark_completed(self, sink_id: str, batch_id: int, conn: Connection | None = None) -> int:
+        """Every participant of ``batch_id`` is committed: apply its staged rows and mark it
+        completed, in one transaction; returns the rows moved into the target.
 
-        ``conn``: the transaction of :meth:`locked`, when called under the lock.
+        Idempotent: the sink's row is locked and read first, and a batch already completed (or
+        superseded by a later one) is left alone, so a crash anywhere moves the rows at most
+        once, and a retry after it moves them. ``conn``: the transaction of :meth:`locked`, when
+        called under the lock.
         """
-        stmt = (sa.update(_SINKS)
-                .where(_SINKS.c.sink_id == sink_id, _SINKS.c.last_batch_id == batch_id)
-                .values(completed=True, completed_at=datetime.now(UTC)))
         try:
             if conn is not None:
-                conn.execute(stmt)
-                return
+                return self._complete(conn, sink_id, batch_id)
             with transaction(self.engine) as own:
-                own.execute(stmt)
+                return self._complete(own, sink_id, batch_id)
         except sa.exc.DBAPIError as exc:
             raise self._typed(exc, sink_id) from exc
+
+    @staticmethod
+    def _complete(conn: Connection, sink_id: str, batch_id: int) -> int:
+        where = (_SINKS.c.sink_id == sink_id, _SINKS.c.last_batch_id == batch_id,
+                 _SINKS.c.completed.is_(False))
+        # FOR UPDATE: a concurrent completer (recovery beside the driver) waits here, then
+        # reads the row again and finds the batch completed (SQLite: the write lock).
+        row = conn.execute(sa.select(_SINKS.c.pending_apply).where(*where)
+                           .with_for_update()).one_or_none()
+        if row is None:
+            return 0
+        moved = 0
+        if row.pending_apply:
+            moved = StagingTable.apply(conn, sink_id, batch_id, row.pending_apply)
+            log.info("sink=%s batch=%d applied %d staged rows", sink_id, batch_id, moved)
+        conn.execute(sa.update(_SINKS).where(*where).values(
+            completed=True, completed_at=datetime.now(UTC), pending_apply=None))
+        return moved
 
     def forget(self, sink_id: str) -> None:
         """Drop a sink's decisions, e.g. before starting it over with a new checkpoint."""
@@ -404,7 +438,8 @@ class StagingTable:
     """``<target>_dw_staging``: the target's columns plus the sink, batch and attempt tags.
 
     Tasks write their partition's rows here in parallel (COPY on PostgreSQL); the decision
-    transaction moves the winning attempts' rows into the target with one INSERT ... SELECT.
+    records which attempts won (:meth:`pending`), and the transaction that completes the batch
+    moves their rows into the target with one INSERT ... SELECT (:meth:`apply`).
     """
 
     def __init__(self, engine: Engine, target: str, columns: Sequence[str] | None = None) -> None:
@@ -456,68 +491,141 @@ class StagingTable:
         """Stage ``rows`` (tuples in :attr:`columns` order) for one task attempt; returns count."""
         if self.engine.dialect.name == "postgresql":
             return self._copy(sink_id, batch_id, attempt_key, rows)
-        count = 0
-        insert = sa.insert(self.table)
-        chunk: list[dict[str, Any]] = []
+        tags = (sink_id, batch_id, attempt_key)
         with self._transaction() as conn:
-            for row in rows:
-                values = dict(zip(self.columns, row, strict=True))
-                values.update(dw_sink_id=sink_id, dw_batch_id=batch_id, dw_attempt=attempt_key)
-                chunk.append(values)
-                if len(chunk) >= 5000:
-                    conn.execute(insert, chunk)
-                    count += len(chunk)
-                    chunk = []
-            if chunk:
-                conn.execute(insert, chunk)
-                count += len(chunk)
-        return count
+            return self._insert_many(conn, [(*row, *tags) for row in rows])
 
     def _copy(self, sink_id: str, batch_id: int, attempt_key: str,
               rows: Iterable[Sequence[Any]]) -> int:
-        from psycopg import sql
-
-        names = [*self.columns, *_STAGING_COLUMNS]
-        statement = sql.SQL("COPY {} ({}) FROM STDIN").format(
-            sql.Identifier(self.name), sql.SQL(", ").join(map(sql.Identifier, names)))
         tags = (sink_id, batch_id, attempt_key)
         count = 0
-        raw = self.engine.raw_connection()
+        with self._copy_into(csv=False) as copy:
+            for row in rows:
+                copy.write_row((*row, *tags))
+                count += 1
+        return count
+
+    @contextmanager
+    def writer(self, sink_id: str, batch_id: int, attempt_key: str
+               ) -> Iterator[Callable[[pa.RecordBatch], int]]:
+        """Stage Arrow record batches for one task attempt.
+
+        Yields a function that stages one batch (the :attr:`columns` are taken from it by name)
+        and returns its row count. PostgreSQL: one ``COPY ... (FORMAT csv)`` fed with the CSV
+        that pyarrow writes, no Python per row (columns that CSV cannot carry, such as binary,
+        make it a row-by-row COPY), committed when the block ends. SQLite: one ``executemany``
+        of tuples per batch, each in its own short write transaction (staged rows of an attempt
+        that is not decided are never applied, so partial staging is harmless).
+        """
+        tags = (sink_id, batch_id, attempt_key)
+        if self.engine.dialect.name != "postgresql":
+            def insert(batch: pa.RecordBatch) -> int:
+                # A transaction per batch: SQLite's one write lock is not held while the task
+                # produces to Kafka, so the other tasks stage meanwhile.
+                columns = [batch.column(c).to_pylist() for c in self.columns]
+                with self._transaction() as conn:
+                    return self._insert_many(conn, [(*row, *tags) for row in
+                                                    zip(*columns, strict=True)])
+            yield insert
+            return
+        import pyarrow.csv as pa_csv
+
+        options = pa_csv.WriteOptions(include_header=False)
+        names = [*self.columns, *_STAGING_COLUMNS]
+        with ExitStack() as stack:
+            copies: list[tuple[Any, bool]] = []
+
+            def stage(batch: pa.RecordBatch) -> int:
+                n = int(batch.num_rows)
+                if n == 0:
+                    return 0
+                table = pa.table(
+                    [batch.column(c) for c in self.columns]
+                    + [pa.repeat(sink_id, n), pa.repeat(batch_id, n), pa.repeat(attempt_key, n)],
+                    names=names)
+                if not copies:  # the first rows choose the COPY's format
+                    csv = all(_csv_safe(f.type) for f in table.schema)
+                    copies.append((stack.enter_context(self._copy_into(csv=csv)), csv))
+                copy, csv = copies[0]
+                if csv:
+                    out = io.BytesIO()
+                    pa_csv.write_csv(table, out, options)
+                    copy.write(out.getbuffer())
+                else:
+                    columns = [table.column(c).to_pylist() for c in names]
+                    for row in zip(*columns, strict=True):
+                        copy.write_row(row)
+                return n
+            yield stage
+
+    @contextmanager
+    def _copy_into(self, *, csv: bool) -> Iterator[Any]:
+        """One ``COPY <staging> FROM STDIN`` (text rows, or CSV) on a connection of its own,
+        committed when the block ends."""
+        from psycopg import sql
+
+        statement = sql.SQL("COPY {} ({}) FROM STDIN{}").format(
+            sql.Identifier(self.name),
+            sql.SQL(", ").join(map(sql.Identifier, [*self.columns, *_STAGING_COLUMNS])),
+            sql.SQL(" (FORMAT csv)" if csv else ""))
+        try:
+            raw = self.engine.raw_connection()
+        except sa.exc.SQLAlchemyError as exc:
+            raise database_error(exc, self.engine.url) from exc
         try:
             conn: Any = raw.driver_connection
             with conn.cursor() as cur, cur.copy(statement) as copy:
-                for row in rows:
-                    copy.write_row((*row, *tags))
-                    count += 1
+                yield copy
             raw.commit()
         except BaseException:
             raw.rollback()
             raise
         finally:
             raw.close()
-        return count
 
-    def publish(self, conn: Connection, sink_id: str, batch_id: int,
-                attempt_keys: Sequence[str]) -> int:
-        """In the decision transaction: copy the winners' rows into the target.
+    def _insert_many(self, conn: Connection, rows: list[tuple[Any, ...]]) -> int:
+        """One ``executemany`` of plain tuples (SQLite), no per-row dictionaries."""
+        if rows:
+            names = [*self.columns, *_STAGING_COLUMNS]
+            cols = ", ".join(f'"{c}"' for c in names)
+            marks = ", ".join("?" for _ in names)
+            conn.exec_driver_sql(f'INSERT INTO "{self.name}" ({cols}) VALUES ({marks})', rows)
+        return len(rows)
 
-        The staged rows are deleted afterwards by :meth:`purge`, outside the decision: a
-        decided batch is never published again, so leftovers are only garbage.
+    def pending(self, attempt_keys: Sequence[str]) -> str:
+        """What a decision records so that :meth:`apply` can move the winners' rows later,
+        without this object (``dualwrite recover`` does not know the sink's target)."""
+        return json.dumps({"staging": self.name, "target": self.target,
+                           "columns": list(self.columns), "attempts": sorted(attempt_keys)},
+                          separators=(",", ":"))
+
+    @staticmethod
+    def apply(conn: Connection, sink_id: str, batch_id: int, pending: str) -> int:
+        """Move a decided batch's winning staged rows into the target, delete the sink's staged
+        rows of that batch and older ones; returns the rows moved.
+
+        Runs in the transaction that marks the batch completed (:meth:`DecisionLog.mark_completed`),
+        so the move, the deletion and the mark commit together or not at all.
         """
         if not conn.in_transaction():
-            raise TransactionStateError("StagingTable.publish() runs inside the decision "
+            raise TransactionStateError("StagingTable.apply() runs inside the completing "
                                         "transaction")
-        s = self.table.c
-        moved = 0
-        if attempt_keys:
-            select = sa.select(*(s[c] for c in self.columns)).where(
-                s.dw_sink_id == sink_id, s.dw_batch_id == batch_id,
-                s.dw_attempt.in_(list(attempt_keys)))
-            # SQLAlchemy keeps an INSERT's row count only when asked (else -1 on PostgreSQL).
-            insert = sa.insert(self._target).from_select(list(self.columns), select)
-            result = conn.execute(insert.execution_options(preserve_rowcount=True))
-            moved = result.rowcount
-        return moved
+        spec = json.loads(pending)
+        columns = [str(c) for c in spec["columns"]]
+        staged = sa.table(str(spec["staging"]), *(sa.column(c) for c in columns),
+                          sa.column("dw_sink_id"), sa.column("dw_batch_id"),
+                          sa.column("dw_attempt"))
+        target = sa.table(str(spec["target"]), *(sa.column(c) for c in columns))
+        s = staged.c
+        select = sa.select(*(s[c] for c in columns)).where(
+            s.dw_sink_id == sink_id, s.dw_batch_id == batch_id,
+            s.dw_attempt.in_([str(k) for k in spec["attempts"]]))
+        # SQLAlchemy keeps an INSERT's row count only when asked (else -1 on PostgreSQL).
+        insert = sa.insert(target).from_select(columns, select)
+        moved = conn.execute(insert.execution_options(preserve_rowcount=True)).rowcount
+        conn.execute(sa.delete(staged).where(s.dw_sink_id == sink_id,
+                                             s.dw_batch_id <= batch_id))
+        return int(moved)
 
     def purge(self, sink_id: str, *, up_to_batch: int | None = None) -> int:
         """Delete the sink's staged rows: all of them at a start (undecided batches are replayed),

@@ -78,6 +78,9 @@ BATCH_SINK = sa.Table(
     sa.Column("completed", sa.Boolean, nullable=False),
     sa.Column("decided_at", sa.DateTime(timezone=True), nullable=False),
     sa.Column("completed_at", sa.DateTime(timezone=True), nullable=True),
+    # The decided batch's staged rows still to move into the target (migration 0005): JSON,
+    # cleared by the apply transaction that marks the batch completed.
+    sa.Column("pending_apply", sa.Text, nullable=True),
 )
 
 #: The prepared participants of each sink's last decided batch.

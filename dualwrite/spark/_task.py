@@ -151,26 +151,29 @@ def write_partition(plan: TaskPlan, batches: Iterator[pa.RecordBatch]
     starting = _start_producer(plan, tid)
     producer: TwoPhaseProducer | None = None
     records = 0
-    try:
-        for batch in batches:
-            if batch.num_rows == 0:
-                continue
-            if producer is None:
-                producer = starting.result()
-                producer.begin_transaction()
-                faults.task_point("producing", partition_id, attempt, plan.batch_id)
-            keys = _as_bytes(batch.column(KEY).to_pylist())
-            values = _as_bytes(batch.column(VALUE).to_pylist())
-            producer.produce_many(plan.topic, zip(keys, values, strict=True))
-            if staging is not None:
-                columns = [batch.column(c).to_pylist() for c in plan.table_columns]
-                staging.write(plan.sink_id, plan.batch_id, attempt_key,
-                              zip(*columns, strict=True))
-            records += batch.num_rows
-    finally:
-        if producer is None:  # no rows (or failed before any): no transaction was opened
-            with contextlib.suppress(Exception):
-                starting.result().close()
+    with contextlib.ExitStack() as stack:
+        # The partition's rows are staged in one COPY (one transaction), committed before the
+        # transaction is prepared: the decision only names attempts whose rows are all staged.
+        stage = (stack.enter_context(staging.writer(plan.sink_id, plan.batch_id, attempt_key))
+                 if staging is not None else None)
+        try:
+            for batch in batches:
+                if batch.num_rows == 0:
+                    continue
+                if producer is None:
+                    producer = starting.result()
+                    producer.begin_transaction()
+                    faults.task_point("producing", partition_id, attempt, plan.batch_id)
+                keys = _as_bytes(batch.column(KEY).to_pylist())
+                values = _as_bytes(batch.column(VALUE).to_pylist())
+                producer.produce_many(plan.topic, zip(keys, values, strict=True))
+                if stage is not None:
+                    stage(batch)
+                records += batch.num_rows
+        finally:
+            if producer is None:  # no rows (or failed before any): no transaction was opened
+                with contextlib.suppress(Exception):
+                    starting.result().close()
     if producer is None:
         return
     if staging is not None and _decided(plan, staging):
