@@ -532,3 +532,41 @@ def test_staging_failures_are_typed(engine: sa.Engine, sink: str) -> None:
     for call in calls:
         with pytest.raises(dualwrite.DualWriteError):
             call()
+
+
+def test_rows_appear_at_the_apply_and_recovery_applies_them_once(
+        engine: sa.Engine, kconf: dict[str, Any], cp: ControlPlane, bootstrap: str, topic: str,
+        sink: str) -> None:
+    """The decision does not touch the target: a driver that dies after it leaves the rows
+    staged (invisible) and the batch in doubt. Sweeping lingering transactions keeps them; a
+    recovery that does not know the sink's target (``dualwrite recover``) commits the records
+    and moves the rows in one go; a second recovery moves nothing."""
+    sa.Table("items", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True),
+             sa.Column("name", sa.String(50))).create(engine)
+    staging = StagingTable(engine, "items")
+    staging.create()
+    staging.write(sink, 9, "k-win", [(1, "a"), (2, "b")])
+    staging.write(sink, 9, "k-lose", [(3, "loser")])
+    parts = [prepare(bootstrap, cp, sink, topic, 9, 0, 0, ["a", "b"], attempt_key="k-win")]
+
+    def items() -> list[tuple[Any, ...]]:
+        with engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(sa.text("SELECT id, name FROM items "
+                                                           "ORDER BY id"))]
+
+    with coordinator(sink, engine, kconf, cp, staging=staging,
+                     hooks=Hooks(crash_at("decided"))) as driver:
+        with pytest.raises(DriverCrash):
+            driver.finish(9, parts)
+        record = driver.last_decided()
+        assert record is not None and record.in_doubt and items() == []
+        driver.abort_lingering()  # the sink's close: the in-doubt batch's rows must stay
+        assert staging.count(sink) == 3
+    with coordinator(sink, engine, kconf, cp) as recovery:  # no staging: `dualwrite recover`
+        assert recovery.recover().completed_batch == 9
+        assert recovery.recover().completed_batch is None
+    assert items() == [(1, "a"), (2, "b")]
+    assert staging.count(sink) == 0
+    assert read_committed(bootstrap, topic) == encoded("a", "b")
+    assert DecisionLog(engine).mark_completed(sink, 9) == 0  # a late completer moves nothing
+    assert items() == [(1, "a"), (2, "b")]
