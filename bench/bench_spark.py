@@ -5,10 +5,13 @@ partitions with ``key`` = the id as a string and ``value`` = the id left-padded 
 ``--value-bytes``. Per batch, in this order:
 
 1. ``baseline``: Spark's built-in Kafka sink (``df.write.format("kafka")``, at-least-once);
-2. ``floor``: no sink, only what any Python sink pays: the rows cross to PySpark's Python workers
+2. ``naive+sql``: what a Spark user writes today for Kafka and a table in one ``foreachBatch``,
+   not atomic: the built-in Kafka sink, then Spark's JDBC writer (``df.write.jdbc``, append,
+   ``reWriteBatchedInserts=true``) into a table of the same shape (PostgreSQL only);
+3. ``floor``: no sink, only what any Python sink pays: the rows cross to PySpark's Python workers
    through ``mapInArrow`` and become Python bytes (``to_pylist``), as the sink's tasks do;
-3. ``kafka``: ``ExactlyOnceSink`` writing the topic only;
-4. ``kafka+sql``: ``ExactlyOnceSink`` writing the topic and a SQL table (COPY staging on
+4. ``kafka``: ``ExactlyOnceSink`` writing the topic only;
+5. ``kafka+sql``: ``ExactlyOnceSink`` writing the topic and a SQL table (COPY staging on
    PostgreSQL, executemany on SQLite).
 
 The sink is called as ``sink(df, batch_id)``, exactly what ``foreachBatch`` does with each
@@ -48,7 +51,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 POM = Path(__file__).resolve().parent / "spark-kafka.pom.xml"
-CASES = ("baseline", "floor", "kafka", "kafka+sql")
+CASES = ("baseline", "naive+sql", "floor", "kafka", "kafka+sql")
 SINK_CASES = ("kafka", "kafka+sql")
 
 
@@ -178,9 +181,10 @@ class Runner:
     """Writes one batch with each case and records what it took."""
 
     def __init__(self, spark: Any, args: argparse.Namespace, bootstrap: str,
-                 sinks: dict[str, Any], topics: dict[str, str]) -> None:
+                 sinks: dict[str, Any], topics: dict[str, str],
+                 jdbc: tuple[str, str, dict[str, str]] | None = None) -> None:
         self.spark, self.args, self.bootstrap = spark, args, bootstrap
-        self.sinks, self.topics = sinks, topics
+        self.sinks, self.topics, self.jdbc = sinks, topics, jdbc
         self._seen: dict[str, Any] = {}
         for case, sink in sinks.items():
             sink.on_batch = self._recorder(case)
@@ -198,6 +202,15 @@ class Runner:
             (df.select("key", "value").write.format("kafka")
              .option("kafka.bootstrap.servers", self.bootstrap)
              .option("topic", self.topics[case]).save())
+        elif case == "naive+sql":
+            # foreachBatch as a Spark user writes it: both writers on the same DataFrame, one
+            # after the other, nothing atomic (no persist: spark.range recomputes for less).
+            assert self.jdbc is not None
+            (df.select("key", "value").write.format("kafka")
+             .option("kafka.bootstrap.servers", self.bootstrap)
+             .option("topic", self.topics[case]).save())
+            url, table, props = self.jdbc
+            df.select("id", "value").write.jdbc(url, table, mode="append", properties=props)
         elif case == "floor":
             rows = sum(r.rows for r in df.select("key", "value").mapInArrow(
                 floor_task, "rows long").collect())
@@ -247,6 +260,17 @@ def count_committed(bootstrap: str, topic: str, partitions: int) -> tuple[int, i
 
 # -- reporting -----------------------------------------------------------------------------------
 
+def jdbc_target(db_url: str) -> tuple[str, dict[str, str]]:
+    """Spark's JDBC URL and connection properties for a SQLAlchemy PostgreSQL URL."""
+    import sqlalchemy as sa
+
+    url = sa.make_url(db_url)
+    props = {"driver": "org.postgresql.Driver", "user": url.username or "",
+             "password": url.password or "", "batchsize": "10000",
+             "reWriteBatchedInserts": "true"}
+    return f"jdbc:postgresql://{url.host or 'localhost'}:{url.port or 5432}/{url.database}", props
+
+
 def ms(x: float) -> str:
     return f"{x * 1000:.0f}"
 
@@ -254,6 +278,7 @@ def ms(x: float) -> str:
 def summarize(results: Results, tiny: Results) -> dict[str, Any]:
     out: dict[str, Any] = {}
     base = overall_rate(results.of("baseline"))
+    naive = overall_rate(results.of("naive+sql")) if results.of("naive+sql") else None
     for case in CASES:
         bs = results.of(case)
         if not bs:
@@ -264,6 +289,8 @@ def summarize(results: Results, tiny: Results) -> dict[str, Any]:
             "median_batch_records_per_s": round(statistics.median(rates)),
             "min_batch_records_per_s": round(min(rates)),
             "ratio_to_baseline": round(overall_rate(bs) / base, 3)}
+        if naive is not None:
+            entry["ratio_to_naive_sql"] = round(overall_rate(bs) / naive, 3)
         if case in SINK_CASES:
             entry.update(phase_stats(bs))
         out[case] = entry
@@ -307,12 +334,15 @@ def print_report(info: dict[str, Any], results: Results, tiny: Results,
                 f"{ms(b.wall_s - driver_s(t)):>7} {ms(t.verify_s):>7} {ms(t.decide_s):>7} "
                 f"{ms(t.commit_s):>7} {ms(t.complete_s):>8} {ms(t.sweep_s):>6}")
         print(f"{b.case:<10} {b.batch_id:>5} {b.rate:>10.0f} {ms(b.wall_s):>7} {cols}")
-    print(f"\n{'case':<10} {'records/s':>10} {'median batch':>13} {'vs baseline':>12}")
+    print(f"\n{'case':<10} {'records/s':>10} {'median batch':>13} {'vs baseline':>12} "
+          f"{'vs naive+sql':>13}")
     for case in CASES:
         s = summary.get(case)
         if s:
+            naive = s.get("ratio_to_naive_sql")
             print(f"{case:<10} {s['overall_records_per_s']:>10} "
-                  f"{s['median_batch_records_per_s']:>13} {s['ratio_to_baseline']:>12.3f}")
+                  f"{s['median_batch_records_per_s']:>13} {s['ratio_to_baseline']:>12.3f} "
+                  f"{'' if naive is None else f'{naive:.3f}':>13}")
     print(f"\nfixed per-batch cost, {info['partitions']} partitions (ms, median / p95)")
     print(f"{'case':<16} {'commit_phase':>13} {'decide':>11} {'commit':>11} {'complete':>11} "
           f"{'verify':>11} {'sweep':>11} {'tasks':>11} {'wall':>11}")
@@ -375,6 +405,8 @@ def main() -> int:
     unknown = set(cases) - set(CASES)
     if unknown or not cases:
         parser.error(f"unknown cases {sorted(unknown)}")
+    if args.db == "sqlite" or (args.db_url or "").startswith("sqlite"):
+        cases = [c for c in cases if c != "naive+sql"]  # Spark's JDBC writer: PostgreSQL here
     args.topic_partitions = args.topic_partitions or args.partitions
     batch_size = args.records // args.batches
     warmup = args.warmup_records or batch_size
@@ -406,12 +438,13 @@ def main() -> int:
         kafka_config = {"bootstrap.servers": bootstrap}
         topics = {case: create_topic(bootstrap, f"bench-spark-{run}-{name}",
                                      partitions=args.topic_partitions)
-                  for case, name in (("baseline", "base"), ("kafka", "dw"),
+                  for case, name in (("baseline", "base"), ("naive+sql", "naive"), ("kafka", "dw"),
                                      ("kafka+sql", "dwsql"), ("tiny", "tiny"),
                                      ("tiny+sql", "tinysql"))}
         table, tiny_table = f"bench_spark_{run}", f"bench_spark_tiny_{run}"
-        create_table(engine, table, args.value_bytes)
-        create_table(engine, tiny_table, args.value_bytes)
+        naive_table = f"bench_spark_naive_{run}"
+        for name in (table, tiny_table, naive_table):
+            create_table(engine, name, args.value_bytes)
 
         def sink(name: str, topic: str, target: str | None,
                  participants: int | None = None) -> ExactlyOnceSink:
@@ -438,8 +471,12 @@ def main() -> int:
                 "batch_size": batch_size, "warmup": warmup, "partitions": args.partitions,
                 "value_bytes": args.value_bytes, "load_start": load_start}
 
+        jdbc = None
+        if "naive+sql" in cases:
+            jdbc_url, jdbc_props = jdbc_target(db_url)
+            jdbc = (jdbc_url, naive_table, jdbc_props)
         runner = Runner(spark, args, bootstrap, {c: s for c, s in sinks.items() if c in cases},
-                        topics)
+                        topics, jdbc)
         results = Results()
         expected = {c: 0 for c in cases}
         # Batch 0 is the warm-up (ids after the measured range); batches 1..N are measured.
@@ -461,6 +498,8 @@ def main() -> int:
         tiny_base = 10**12
         for batch_id in range(args.tiny_batches + 1):
             for case in cases:
+                if case == "naive+sql":
+                    continue
                 b = tiny_runner.write(case, batch_id, tiny_base + batch_id * args.partitions,
                                       args.partitions)
                 if case == "baseline":  # its tiny batches share the baseline topic
@@ -475,12 +514,13 @@ def main() -> int:
         checks += [(f"tiny {c}", topics["tiny" if c == "kafka" else "tiny+sql"],
                     (args.tiny_batches + 1) * args.partitions)
                    for c in cases if c in SINK_CASES]
-        if "baseline" in cases:
-            checks.append(("baseline", topics["baseline"], expected["baseline"]))
+        for case in ("baseline", "naive+sql"):
+            if case in cases:
+                checks.append((case, topics[case], expected[case]))
         for name, topic, want in checks:
             total, distinct, per_partition = count_committed(bootstrap, topic,
                                                              args.topic_partitions)
-            if name == "baseline":  # at-least-once: duplicates allowed, losses not
+            if name in ("baseline", "naive+sql"):  # at-least-once: duplicates allowed
                 good = distinct == want and total >= want
             else:
                 good = total == want and distinct == want
@@ -490,10 +530,14 @@ def main() -> int:
                               "detail": f"{'OK ' if good else 'BAD'} {total} records, {distinct} "
                                         f"distinct keys, expected {want}; per partition "
                                         f"{per_partition}"}
+        tables = []
         if "kafka+sql" in cases:
-            for name, tbl, want in (("table", table, expected["kafka+sql"]),
-                                    ("tiny table", tiny_table,
-                                     (args.tiny_batches + 1) * args.partitions)):
+            tables += [("table", table, expected["kafka+sql"]),
+                       ("tiny table", tiny_table, (args.tiny_batches + 1) * args.partitions)]
+        if "naive+sql" in cases:
+            tables.append(("naive+sql table", naive_table, expected["naive+sql"]))
+        if tables:
+            for name, tbl, want in tables:
                 with engine.connect() as conn:
                     rows = conn.execute(sa.text(f"SELECT count(*) FROM {tbl}")).scalar_one()
                 good = rows == want
@@ -513,8 +557,12 @@ def main() -> int:
         for case in CASES:
             s = summary.get(case)
             if s:
+                naive = s.get("ratio_to_naive_sql")
                 parts.append(f"{case} {s['overall_records_per_s']:,}/s"
-                             + ("" if case == "baseline" else f" ({s['ratio_to_baseline']:.2f}x)"))
+                             + ("" if case == "baseline" else f" ({s['ratio_to_baseline']:.2f}x")
+                             + ("" if case == "baseline" or naive is None
+                                else f", {naive:.2f}x naive+sql")
+                             + ("" if case == "baseline" else ")"))
         for case in ("kafka", "kafka+sql"):
             s = summary.get(f"tiny {case}")
             if s:

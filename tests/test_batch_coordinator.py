@@ -570,3 +570,31 @@ def test_rows_appear_at_the_apply_and_recovery_applies_them_once(
     assert read_committed(bootstrap, topic) == encoded("a", "b")
     assert DecisionLog(engine).mark_completed(sink, 9) == 0  # a late completer moves nothing
     assert items() == [(1, "a"), (2, "b")]
+
+
+def test_a_row_the_target_refuses_keeps_the_batch_in_doubt(
+        engine: sa.Engine, kconf: dict[str, Any], cp: ControlPlane, bootstrap: str, topic: str,
+        sink: str) -> None:
+    """The rows move after the decision, so a primary-key clash surfaces there: the batch stays
+    decided and in doubt with its rows staged (never half applied) until the clash is removed."""
+    sa.Table("items", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True),
+             sa.Column("name", sa.String(50))).create(engine)
+    with engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO items VALUES (2, 'already there')"))
+    staging = StagingTable(engine, "items")
+    staging.create()
+    staging.write(sink, 3, "k", [(1, "a"), (2, "b")])
+    parts = [prepare(bootstrap, cp, sink, topic, 3, 0, 0, ["a", "b"], attempt_key="k")]
+    with coordinator(sink, engine, kconf, cp, staging=staging) as driver:
+        with pytest.raises(dualwrite.FatalError, match="refused its staged rows"):
+            driver.finish(3, parts)
+        record = driver.last_decided()
+        assert record is not None and record.last_batch_id == 3 and record.in_doubt
+        assert staging.count(sink) == 2
+        with engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM items WHERE id = 2"))
+        assert driver.recover().completed_batch == 3
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT id, name FROM items ORDER BY id")).all() == [
+            (1, "a"), (2, "b")]
+    assert read_committed(bootstrap, topic) == encoded("a", "b")

@@ -406,6 +406,14 @@ class DecisionLog:
                 return self._complete(conn, sink_id, batch_id)
             with transaction(self.engine) as own:
                 return self._complete(own, sink_id, batch_id)
+        except sa.exc.IntegrityError as exc:
+            # Deterministic: retrying cannot help, and the batch is decided (its records are
+            # committed or will be). The rows stay staged and the batch in doubt until fixed.
+            raise FatalError(
+                f"sink {sink_id!r} batch {batch_id} is decided, but the target table refused "
+                f"its staged rows ({exc.orig}); they stay staged and the batch in doubt: remove "
+                "the conflicting rows from the target (or relax its constraint), then restart "
+                "the query or run `dualwrite recover`, which apply them") from exc
         except sa.exc.DBAPIError as exc:
             raise self._typed(exc, sink_id) from exc
 
