@@ -11,7 +11,9 @@ Spark tasks use, 8 attempts of N/8 rows), then timed:
 
     ./run.sh python bench/bench_decision.py [--sizes 10000,200000,1000000] [--db-url URL]
 
-Without ``--db-url`` (or ``DUALWRITE_DATABASE_URL``) a throwaway local PostgreSQL is started.
+Without ``--db-url`` (or ``DUALWRITE_DATABASE_URL``) a throwaway local PostgreSQL is started; with
+it, the run works in a schema of its own, dropped at the end (the database's own dualwrite tables
+and migration level are left alone).
 """
 
 from __future__ import annotations
@@ -82,7 +84,21 @@ def main() -> int:
         if not url:
             from dualwrite.dev import LocalPostgres
             url = stack.enter_context(LocalPostgres()).url
+        else:
+            schema = f"bench_decision_{uuid.uuid4().hex[:8]}"
+            base = dw.create_engine(url)
+            with base.begin() as conn:
+                conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
+
+            def drop() -> None:
+                with base.begin() as conn:
+                    conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
+                base.dispose()
+            stack.callback(drop)
+            url = sa.make_url(url).update_query_dict(
+                {"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
         engine = dw.create_engine(url)
+        stack.callback(engine.dispose)
         dw.upgrade_database(engine)
         print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; "
               f"{PARTICIPANTS} participants, {args.value_bytes} B values")

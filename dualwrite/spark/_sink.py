@@ -29,9 +29,9 @@ class ExactlyOnceSink:
     """A ``foreachBatch`` function that writes each micro-batch to Kafka (and SQL) exactly once.
 
     Each partition of the batch is produced in its own Kafka transaction by the task that holds
-    it and prepared; the driver records the decision (and publishes staged SQL rows) in one
-    database transaction, then commits every participant. A batch id that was decided before is
-    skipped, so replays after a restart write nothing twice.
+    it and prepared; the driver records the decision in one short database transaction, commits
+    every participant, then moves the batch's staged SQL rows into the target in one more. A
+    batch id that was decided before is skipped, so replays after a restart write nothing twice.
 
     Kafka record: ``key_column`` and ``value_column`` (string or binary); without a value column
     the value is the row as JSON. SQL (optional): ``target_table`` receives ``table_columns``
