@@ -78,6 +78,10 @@ case "$cmd" in
             shift
             exec "$VENV/bin/python" bench/bench_consumer.py "$@"
         fi
+        if [ "${1:-}" = decision ]; then
+            shift
+            exec "$VENV/bin/python" bench/bench_decision.py "$@"
+        fi
         if [ "${1:-}" = service ]; then
             shift
             exec "$VENV/bin/python" bench/bench_service.py "$@"

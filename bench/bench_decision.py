@@ -9,7 +9,7 @@ Spark tasks use, 8 attempts of N/8 rows), then timed:
   that moves the rows into the target and deletes them from staging (until issue 21 this
   INSERT ... SELECT ran inside the decision).
 
-    ./run.sh python bench/bench_decision.py [--sizes 10000,200000,1000000] [--db-url URL]
+    ./run.sh bench decision [--sizes 10000,200000,1000000] [--db-url URL]
 
 Without ``--db-url`` (or ``DUALWRITE_DATABASE_URL``) a throwaway local PostgreSQL is started; with
 it, the run works in a schema of its own, dropped at the end (the database's own dualwrite tables

@@ -47,7 +47,6 @@ from dualwrite.writer.state_store import (
 #: The newest schema revision (0003 added the fencing generation, 0004 the consumer positions,
 #: 0005 the batch sinks' pending apply).
 HEAD = "0005"
-HEAD = "0004"
 
 pytestmark = pytest.mark.timeout(120)
 
