@@ -268,6 +268,10 @@ def jdbc_target(db_url: str) -> tuple[str, dict[str, str]]:
     props = {"driver": "org.postgresql.Driver", "user": url.username or "",
              "password": url.password or "", "batchsize": "10000",
              "reWriteBatchedInserts": "true"}
+    options = url.query.get("options")
+    for option in (options,) if isinstance(options, str) else options or ():
+        if option.startswith("-csearch_path="):  # a schema of its own (the README test's)
+            props["currentSchema"] = option.removeprefix("-csearch_path=")
     return f"jdbc:postgresql://{url.host or 'localhost'}:{url.port or 5432}/{url.database}", props
 
 

@@ -339,7 +339,7 @@ SCENARIOS = [
                ("./run.sh bench spark [--quick] [--records 1000000] [--batches 5] "
                 "[--partitions 8]\n                     [--value-bytes 200] [--db postgres|sqlite]"
                 " [--db-url URL]\n                     [--tiny-batches 20] "
-                "[--cases baseline,floor,kafka,kafka+sql] [--json]",
+                "[--cases baseline,naive+sql,floor,kafka,kafka+sql]\n                     [--json]",
                 './run.sh bench spark --quick --db-url "$DUALWRITE_DATABASE_URL"')),
         expect=((r"recover\(\) over 5 in-doubt transactional ids", 1),
                 (r"^ +8 async-gc ", 1), (r"^memory per pooled writer", 1),
