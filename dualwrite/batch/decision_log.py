@@ -497,7 +497,8 @@ class StagingTable:
         """
         with self._transaction() as conn:
             self.table.create(conn, checkfirst=True)
-            conn.execute(sa.text(f'DROP INDEX IF EXISTS "ix_{self.name}_batch"'))
+            if conn.dialect.name in ("postgresql", "sqlite"):  # MariaDB's came without it
+                conn.execute(sa.text(f'DROP INDEX IF EXISTS "ix_{self.name}_batch"'))
 
     def write(self, sink_id: str, batch_id: int, attempt_key: str,
               rows: Iterable[Sequence[Any]]) -> int:
@@ -597,12 +598,18 @@ class StagingTable:
             raw.close()
 
     def _insert_many(self, conn: Connection, rows: list[tuple[Any, ...]]) -> int:
-        """One ``executemany`` of plain tuples (SQLite), no per-row dictionaries."""
-        if rows:
-            names = [*self.columns, *_STAGING_COLUMNS]
-            cols = ", ".join(f'"{c}"' for c in names)
-            marks = ", ".join("?" for _ in names)
-            conn.exec_driver_sql(f'INSERT INTO "{self.name}" ({cols}) VALUES ({marks})', rows)
+        """One ``executemany`` of plain tuples on SQLite (no per-row dictionaries); other
+        databases (MariaDB) through SQLAlchemy's insert."""
+        if not rows:
+            return 0
+        names = [*self.columns, *_STAGING_COLUMNS]
+        if conn.dialect.name != "sqlite":
+            conn.execute(sa.insert(self.table), [dict(zip(names, row, strict=True))
+                                                 for row in rows])
+            return len(rows)
+        cols = ", ".join(f'"{c}"' for c in names)
+        marks = ", ".join("?" for _ in names)
+        conn.exec_driver_sql(f'INSERT INTO "{self.name}" ({cols}) VALUES ({marks})', rows)
         return len(rows)
 
     def pending(self, attempt_keys: Sequence[str]) -> str:
