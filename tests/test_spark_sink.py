@@ -59,7 +59,7 @@ def pipeline(kafka: Any, new_topic: Any, empty_db_url: str, tmp_path: Path) -> P
 # -- the happy path and replays --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("backend", ["sqlite", "mariadb"], indirect=True)
 def test_every_batch_is_written_once_to_kafka_and_sql(pipeline: Pipeline) -> None:
     result = pipeline.run()
     assert batches(result.stdout, "committed") == list(range(FILES))
@@ -76,8 +76,10 @@ def test_kafka_only_mode(pipeline: Pipeline) -> None:
 # -- the driver killed at each step of a batch -----------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
-@pytest.mark.parametrize("point", ["prepared", "decided", "committed-one", "completed"])
+@pytest.mark.parametrize("backend, point", [
+    *(("postgresql", point) for point in ("prepared", "decided", "committed-one", "completed")),
+    ("mariadb", "decided"),  # the decided batch's staged rows applied once on MariaDB too
+], indirect=["backend"])
 def test_driver_killed_then_restarted(pipeline: Pipeline, point: str) -> None:
     """SIGKILL after the tasks prepared, after the decision, between two participant commits,
     after everything (before Spark recorded the batch); restart with 3 partitions instead of 4.
