@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import pwd
 import shutil
@@ -12,10 +13,10 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Literal, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar, cast
 
 __all__ = [
     "DevClusterError",
@@ -27,9 +28,11 @@ __all__ = [
     "parent_death_signal",
     "pid_alive",
     "port_open",
+    "read_state",
     "server_user",
     "tail",
     "terminate_pid",
+    "write_state",
 ]
 
 _PR_SET_PDEATHSIG = 1
@@ -107,18 +110,32 @@ def parent_death_signal() -> Callable[[], None] | None:
     return _set
 
 
-def server_user(program: str) -> pwd.struct_passwd | None:
-    """The account to run a server as: None (ourselves) unless we are root, which PostgreSQL
-    and PgBouncer refuse; then ``postgres`` (or ``nobody``)."""
+def server_user(program: str, account: str = "postgres") -> pwd.struct_passwd | None:
+    """The account to run a server as: None (ourselves) unless we are root, which PostgreSQL,
+    PgBouncer and MariaDB refuse; then ``account`` (or ``nobody``)."""
     if os.geteuid() != 0:
         return None
-    for name in ("postgres", "nobody"):
+    for name in (account, "nobody"):
         with contextlib.suppress(KeyError):
             return pwd.getpwnam(name)
     raise DevClusterError(
-        f"running as root, and neither a 'postgres' nor a 'nobody' user exists; {program} "
-        "refuses to run as root: create a 'postgres' user or run as a normal user"
+        f"running as root, and neither a '{account}' nor a 'nobody' user exists; {program} "
+        f"refuses to run as root: create a '{account}' user or run as a normal user"
     )
+
+
+def write_state(path: Path, state: Mapping[str, Any]) -> None:
+    """Write a detached server's state as JSON to ``path`` (atomically: a reader never sees
+    half of it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """The state :func:`write_state` wrote to ``path``."""
+    return cast(dict[str, Any], json.loads(path.read_text(encoding="utf-8")))
 
 
 def pid_alive(pid: int, must_contain: str | None = None) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -22,7 +21,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any, Literal, Protocol, cast
+from typing import IO, Any, Literal, Protocol
 
 from dualwrite.dev._util import (
     DevClusterError,
@@ -32,8 +31,10 @@ from dualwrite.dev._util import (
     parent_death_signal,
     pid_alive,
     port_open,
+    read_state,
     tail,
     terminate_pid,
+    write_state,
 )
 from dualwrite.dev.maven import kafka_classpath, logging_flavour, major_version
 from dualwrite.dev.security import (
@@ -636,16 +637,13 @@ class LocalKafkaCluster(LocalServer):
 
     def save_state(self, path: Path) -> None:
         """Write :meth:`to_state` as JSON to ``path`` (atomically)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_state(), indent=2) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        write_state(path, self.to_state())
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any] | Path) -> LocalKafkaCluster:
         """A handle on a cluster another process started (see :meth:`save_state`)."""
         if isinstance(state, Path):
-            state = cast(dict[str, Any], json.loads(state.read_text(encoding="utf-8")))
+            state = read_state(state)
         data_dir = Path(state["data_dir"]) if state.get("data_dir") else None
         cluster = cls(
             brokers=int(state["brokers"]),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -29,8 +28,10 @@ from dualwrite.dev._util import (
     parent_death_signal,
     pid_alive,
     port_open,
+    read_state,
     tail,
     terminate_pid,
+    write_state,
 )
 
 __all__ = ["KFAKE_MODULE", "LocalKfake", "kfake_binary"]
@@ -172,12 +173,11 @@ class LocalKfake(LocalServer):
                 "bootstrap_servers": self.bootstrap_servers}
 
     def save_state(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_state(), indent=2))
+        write_state(path, self.to_state())
 
     @classmethod
     def from_state(cls, path: Path) -> LocalKfake:
-        state = json.loads(path.read_text())
+        state = read_state(path)
         broker = cls(port=int(state["port"]),
                      data_dir=Path(state["data_dir"]) if state.get("data_dir") else None,
                      detach=True)

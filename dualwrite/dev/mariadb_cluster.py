@@ -11,10 +11,8 @@ server exists for tests.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import pwd
 import shutil
 import signal
 import subprocess
@@ -30,8 +28,11 @@ from dualwrite.dev._util import (
     free_ports,
     parent_death_signal,
     pid_alive,
+    read_state,
+    server_user,
     tail,
     terminate_pid,
+    write_state,
 )
 
 __all__ = ["DEFAULT_MARIADB_SETTINGS", "LocalMariaDB", "find_mariadb_binaries"]
@@ -75,17 +76,6 @@ def find_mariadb_binaries() -> tuple[Path, Path]:
             "MariaDB server binaries (mariadb-install-db, mariadbd) not found: install them "
             "(`apt-get install mariadb-server`) or set DUALWRITE_MARIADB_BINDIR to their folder")
     return install, server
-
-
-def _server_user() -> pwd.struct_passwd | None:
-    """The account to run mariadbd as: None (ourselves) unless we are root."""
-    if os.geteuid() != 0:
-        return None
-    for name in ("mysql", "nobody"):
-        with contextlib.suppress(KeyError):
-            return pwd.getpwnam(name)
-    raise DevClusterError("running as root, and neither a 'mysql' nor a 'nobody' user exists "
-                          "to run mariadbd as")
 
 
 class LocalMariaDB(LocalServer):
@@ -176,15 +166,12 @@ class LocalMariaDB(LocalServer):
         state = {"url": self._url, "port": self.port, "pid": self.pid,
                  "data_dir": str(self.data_dir) if self.data_dir else None,
                  "owns_data_dir": self._given_data_dir is None}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        write_state(path, state)
 
     @classmethod
     def from_state(cls, path: Path) -> LocalMariaDB:
         """A handle on a server another process started and recorded with :meth:`save_state`."""
-        state = json.loads(path.read_text(encoding="utf-8"))
+        state = read_state(path)
         data_dir = Path(state["data_dir"]) if state.get("data_dir") else None
         server = cls(None if state.get("owns_data_dir", True) else data_dir, detach=True)
         server.attach(state, data_dir)
@@ -201,7 +188,7 @@ class LocalMariaDB(LocalServer):
 
     def _start(self) -> None:
         install, server = find_mariadb_binaries()
-        user = _server_user()
+        user = server_user("mariadbd", "mysql")
         if self.data_dir is None:
             self.data_dir = Path(tempfile.mkdtemp(prefix="dualwrite-mariadb-"))
         self.data_dir.mkdir(parents=True, exist_ok=True)

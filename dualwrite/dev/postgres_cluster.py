@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import logging
 import os
 import pwd
@@ -29,9 +28,11 @@ from dualwrite.dev._util import (
     free_ports,
     parent_death_signal,
     pid_alive,
+    read_state,
     server_user,
     tail,
     terminate_pid,
+    write_state,
 )
 
 __all__ = ["DEFAULT_SETTINGS", "LocalPostgres", "find_postgres_bindir"]
@@ -261,15 +262,12 @@ class LocalPostgres(LocalServer):
                  "container": self._container,
                  "data_dir": str(self.data_dir) if self.data_dir else None,
                  "owns_data_dir": self._given_data_dir is None}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        write_state(path, state)
 
     @classmethod
     def from_state(cls, path: Path) -> LocalPostgres:
         """A handle on a server another process started and recorded with :meth:`save_state`."""
-        state = json.loads(path.read_text(encoding="utf-8"))
+        state = read_state(path)
         data_dir = Path(state["data_dir"]) if state.get("data_dir") else None
         server = cls(None if state.get("owns_data_dir", True) else data_dir,
                      backend=state["backend"], detach=True)
