@@ -183,9 +183,9 @@ def test_value_of_the_wrong_type(writer: DualWriter, db_url: str, bootstrap: str
 
 @pytest.mark.parametrize(("url", "says"), [
     ("shop.db", "sqlite:///shop.db"),
-    ("mysql://app:Pw-5ecret@db/shop", "is not supported"),
+    ("mssql+pyodbc://app:Pw-5ecret@db/shop", "is not supported"),
     ("postgresql+psycopg2://app:Pw-5ecret@db/shop", "driver"),
-    ("oracle+cx_oracle://app:Pw-5ecret@db/shop", "SQLite and PostgreSQL"),
+    ("oracle+cx_oracle://app:Pw-5ecret@db/shop", "SQLite, PostgreSQL and MariaDB"),
 ])
 def test_database_url_mistakes(url: str, says: str, bootstrap: str) -> None:
     """Today: ArgumentError, ModuleNotFoundError (MySQLdb, psycopg2)."""
@@ -223,7 +223,7 @@ def test_kafka_setting_librdkafka_rejects(db_url: str, bootstrap: str) -> None:
 
 @pytest.mark.parametrize(("args", "says"), [
     (["db", "upgrade", "--db", "shop.db"], "sqlite:///shop.db"),
-    (["db", "upgrade", "--db", "mysql://app:Pw-5ecret@db/shop"], "is not supported"),
+    (["db", "upgrade", "--db", "mssql+pyodbc://app:Pw-5ecret@db/shop"], "is not supported"),
     (["status", "--db", "sqlite:///x.db", "-b", "broker:port"], "bootstrap.servers"),
     (["recover", "--db", "sqlite:///x.db", "-b", ","], "bootstrap.servers"),
 ])
