@@ -89,7 +89,7 @@ def test_dual_writer_constructor(engine: Any, bootstrap: Any, tid: Any, timeout_
 def test_create_engine(url: Any) -> None:
     engine = _only_dualwrite_errors(lambda: dualwrite.create_engine(url))
     if engine is not None:
-        assert engine.dialect.name in ("sqlite", "postgresql")
+        assert engine.dialect.name in ("sqlite", "postgresql", "mysql", "mariadb")
         engine.dispose()
 
 
