@@ -1,15 +1,20 @@
 """A fresh PostgreSQL schema (or MariaDB database) per test: the one way the tests get an empty
-database on a shared server."""
+database on a shared server; and a private PostgreSQL server a test may stop and start
+(``private_postgres``, ``pg_ctl``)."""
 
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import dualwrite
 from dualwrite.database import normalize_url
+from dualwrite.dev import LocalPostgres
+from dualwrite.dev.postgres_cluster import _server_user, find_postgres_bindir
 
 
 @contextmanager
@@ -45,3 +50,28 @@ def fresh_mariadb_database(base_url: str, prefix: str) -> Iterator[str]:
         with admin.begin() as conn:
             conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}")
         admin.dispose()
+
+
+def pg_ctl(pg: LocalPostgres, *args: str) -> None:
+    """Run ``pg_ctl`` on ``pg``'s data directory as the account the server runs as."""
+    assert pg.data_dir is not None
+    user = _server_user()
+    run_as: dict[str, Any] = (
+        {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []} if user else {})
+    subprocess.run([str(find_postgres_bindir() / "pg_ctl"), *args, "-D",
+                    str(pg.data_dir / "pgdata")], check=True, capture_output=True, timeout=60,
+                   **run_as)
+
+
+@contextmanager
+def private_postgres(*, stop_mode: str = "fast", **settings: str) -> Iterator[LocalPostgres]:
+    """A PostgreSQL server of the test's own, which it may stop and start with :func:`pg_ctl`;
+    at the end the server ``pg_ctl`` started, if running, is stopped (``stop_mode``) first."""
+    pg = LocalPostgres(backend="binaries", settings=settings or None)
+    pg.start()
+    try:
+        yield pg
+    finally:
+        with contextlib.suppress(Exception):
+            pg_ctl(pg, "stop", "-m", stop_mode, "-w")
+        pg.stop()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,10 +28,10 @@ import dualwrite
 from dualwrite import DatabaseUnreachableError, DualWriter, LockTimeoutError
 from dualwrite.database import database_error, normalize_url
 from dualwrite.dev import LocalPostgres
-from dualwrite.dev.postgres_cluster import _server_user, find_postgres_bindir
 from dualwrite.errors import FatalError, MigrationRequiredError, TransactionConflictError
 from dualwrite.writer import StateStore
 from tests import test_recipe
+from tests._db_helpers import pg_ctl, private_postgres
 from tests._kafka_helpers import unique
 from tests.test_recipe import _backend_pid, _kill_backend, assert_invariant, rows, write
 
@@ -342,28 +341,12 @@ def test_serialization_failure_on_the_lock(
 # -- PostgreSQL restarted in the middle of a run (a private server) ---------------------------
 
 
-def _pg_ctl(pg: LocalPostgres, *args: str) -> None:
-    assert pg.data_dir is not None
-    user = _server_user()
-    run_as: dict[str, Any] = (
-        {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []} if user else {})
-    subprocess.run([str(find_postgres_bindir() / "pg_ctl"), *args, "-D",
-                    str(pg.data_dir / "pgdata")], check=True, capture_output=True, timeout=60,
-                   **run_as)
-
-
 @pytest.fixture
 def private_pg() -> Iterator[LocalPostgres]:
     """A PostgreSQL server of this test's own (it is stopped and started). Commits are
     synchronous: an immediate shutdown must not lose what a COMMIT acknowledged."""
-    pg = LocalPostgres(backend="binaries", settings={"synchronous_commit": "on"})
-    pg.start()
-    try:
+    with private_postgres(synchronous_commit="on") as pg:
         yield pg
-    finally:
-        with contextlib.suppress(Exception):  # the server pg_ctl started, if running
-            _pg_ctl(pg, "stop", "-m", "fast", "-w")
-        pg.stop()
 
 
 def test_postgres_restarted_in_the_middle_of_a_run(
@@ -380,7 +363,7 @@ def test_postgres_restarted_in_the_middle_of_a_run(
         writer = make_writer(engine, unique("fault-restart"))
         write(writer, topic, ["before-1"])
         write(writer, topic, ["before-2"])
-        _pg_ctl(private_pg, "stop", "-m", "immediate", "-w")
+        pg_ctl(private_pg, "stop", "-m", "immediate", "-w")
         with pytest.raises(DatabaseUnreachableError) as failed:
             write(writer, topic, ["while-down"])
         _typed(failed, DatabaseUnreachableError)
@@ -390,7 +373,7 @@ def test_postgres_restarted_in_the_middle_of_a_run(
         _typed(failed, DatabaseUnreachableError)
         fresh.close()  # nothing to clean up: no error either
         assert private_pg.data_dir is not None
-        _pg_ctl(private_pg, "start", "-w", "-l", str(private_pg.data_dir / "postgres.log"))
+        pg_ctl(private_pg, "start", "-w", "-l", str(private_pg.data_dir / "postgres.log"))
         write(writer, topic, ["after-1"])
         write(writer, topic, ["after-2"])
         writer.close()

@@ -33,10 +33,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import dualwrite
 from dualwrite.dev import LocalKafkaCluster, LocalPostgres
-from tests._db_helpers import fresh_schema
+from tests._db_helpers import fresh_schema, pg_ctl, private_postgres
 from tests._kafka_helpers import closed_port, read_committed, unique
 from tests.conftest import KAFKA_VERSION
-from tests.test_database_faults import _pg_ctl
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -167,14 +166,8 @@ def cluster() -> Iterator[LocalKafkaCluster]:
 def private_pg() -> Iterator[LocalPostgres]:
     """A PostgreSQL server of this test's own (it is stopped and started). Commits are
     synchronous: an immediate shutdown must not lose the writer's decision."""
-    pg = LocalPostgres(backend="binaries", settings={"synchronous_commit": "on"})
-    pg.start()
-    try:
+    with private_postgres(synchronous_commit="on") as pg:
         yield pg
-    finally:
-        with contextlib.suppress(Exception):  # the server pg_ctl started, if running
-            _pg_ctl(pg, "stop", "-m", "fast", "-w")
-        pg.stop()
 
 
 def test_daemon_survives_a_broker_and_a_database_restart(
@@ -210,12 +203,12 @@ def test_daemon_survives_a_broker_and_a_database_restart(
         # 2. Another writer left in doubt, then PostgreSQL stopped (immediate) and started.
         with paused(d):
             crash_after_db_commit(url, bootstrap, topic, "watch-b", 2)
-            _pg_ctl(private_pg, "stop", "-m", "immediate", "-w")
+            pg_ctl(private_pg, "stop", "-m", "immediate", "-w")
         d.wait_for("a failed pass (database)", lambda: d.value(
             "dualwrite_recovery_passes_total", result="error") > errors_after_broker)
         assert private_pg.data_dir is not None
         restarted = time.time()
-        _pg_ctl(private_pg, "start", "-w", "-l", str(private_pg.data_dir / "postgres.log"))
+        pg_ctl(private_pg, "start", "-w", "-l", str(private_pg.data_dir / "postgres.log"))
         d.wait_for("the second in-doubt transaction committed", lambda: d.value(
             "dualwrite_recovered_transactions_total", outcome="committed") >= 2)
         d.wait_for("a successful pass after the restart", lambda: d.value(

@@ -31,11 +31,10 @@ from dualwrite import (
 from dualwrite.deadline import MARGIN_S
 from dualwrite.dev import LocalKafkaCluster, LocalPostgres
 from dualwrite.participant.control_plane import ControlPlane
-from tests._db_helpers import fresh_schema
+from tests._db_helpers import fresh_schema, pg_ctl, private_postgres
 from tests._kafka_helpers import closed_port, read_committed, unique
 from tests._tcp_proxy import TcpProxy, contains
 from tests.conftest import KAFKA_VERSION
-from tests.test_database_faults import _pg_ctl
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -90,14 +89,8 @@ def pg_proxy(pg_url: str) -> Iterator[tuple[TcpProxy, str]]:
 @pytest.fixture
 def private_pg() -> Iterator[LocalPostgres]:
     """A PostgreSQL server of this test's own (it is stopped)."""
-    pg = LocalPostgres(backend="binaries")
-    pg.start()
-    try:
+    with private_postgres(stop_mode="immediate") as pg:
         yield pg
-    finally:
-        with contextlib.suppress(Exception):
-            _pg_ctl(pg, "stop", "-m", "immediate", "-w")
-        pg.stop()
 
 
 @pytest.fixture
@@ -247,7 +240,7 @@ def test_database_stopped(writers: Any, private_pg: LocalPostgres, bootstrap: st
     engine.dispose()
     writer = writers(url, bootstrap)
     _write(writer, topic, "before")
-    _pg_ctl(private_pg, "stop", "-m", "immediate", "-w")
+    pg_ctl(private_pg, "stop", "-m", "immediate", "-w")
     where = _host_port(url)
     _timed(lambda: _write_late(writer, topic, "while-down"), DatabaseUnreachableError, where)
     fresh = writers(url, bootstrap)
