@@ -97,7 +97,7 @@ class TwoPhaseProducer:
             probe = self._cp.probe(check_2pc=False)
             if probe.max_transaction_timeout_ms:
                 self._config["transaction.timeout.ms"] = probe.max_transaction_timeout_ms
-        _bound_socket_timeout(self._config)
+        _bound_socket_timeout(self._config, timeout_s)
         self._config.setdefault("error_cb", self._on_error)
         self._link = CoordinatorLinkWatch(self._config)
         self._fatal: KafkaError | None = None
@@ -795,7 +795,7 @@ def _check_socket_timeout(config: Mapping[str, Any]) -> None:
             "deadlines overflow there and its requests time out at once")
 
 
-def _bound_socket_timeout(config: dict[str, Any]) -> None:
+def _bound_socket_timeout(config: dict[str, Any], timeout_s: float) -> None:
     """Keep librdkafka's request timeout where it works.
 
     Unless set, librdkafka derives ``socket.timeout.ms`` from ``transaction.timeout.ms`` (minus
@@ -805,7 +805,10 @@ def _bound_socket_timeout(config: dict[str, Any]) -> None:
     ... Timed out ProduceRequest in flight (after 9ms)``, an AddPartitionsToTxn timed out in the
     out-queue), disconnects and retries — about 0.5 s lost, measured as the pool's flush p99
     (bench/README.md). So the socket timeout stays at librdkafka's default unless the
-    transaction timeout is shorter (librdkafka wants it 100 ms below that).
+    transaction timeout is shorter (librdkafka wants it 100 ms below that), and no longer than
+    the producer's ``timeout_s`` (at least 5 s): a request still in flight when its call gave up
+    (an InitProducerId sent to a broker that is down) must not reach the broker once it is back,
+    where it races the coordinator's loading of a commit whose markers are not yet written.
     """
     if "socket.timeout.ms" in config:
         return
@@ -814,8 +817,9 @@ def _bound_socket_timeout(config: dict[str, Any]) -> None:
         txn_ms = None if txn_timeout is None else int(txn_timeout)
     except (TypeError, ValueError):
         return  # librdkafka refuses the value itself
-    if txn_ms is not None and txn_ms - 100 > _SOCKET_TIMEOUT_MS:
-        config["socket.timeout.ms"] = _SOCKET_TIMEOUT_MS
+    bound = min(_SOCKET_TIMEOUT_MS, max(5_000, int(timeout_s * 1000)))
+    if txn_ms is not None and txn_ms - 100 > bound:
+        config["socket.timeout.ms"] = bound
 
 
 def _size(data: object) -> int:
