@@ -407,6 +407,18 @@ def test_missing_describe_configs_is_warned_and_shortens_the_timeout(
 # -- authentication -----------------------------------------------------------------------------
 
 
+def test_marker_repair_without_cluster_action_is_named(kafka_secured: LocalKafkaCluster,
+                                                       secured_topic: str) -> None:
+    """Writing a lost commit marker (completion.commit_lost_marker) needs CLUSTER_ACTION, which
+    an application principal does not have: the broker refuses before looking at the partition,
+    and the error names the ACL."""
+    app = _app(kafka_secured, secured_topic)
+    with ControlPlane(app.config, timeout_s=10) as cp, \
+            pytest.raises(AuthorizationError) as refused:
+        cp.write_txn_marker(TopicPartition(secured_topic, 0), 0, 0, 0, commit=True)
+    assert refused.value.acl == "CLUSTER_ACTION on Cluster 'kafka-cluster'"
+
+
 def test_wrong_password_is_a_clear_fatal_error_within_the_timeout(
         kafka_secured: LocalKafkaCluster, tmp_path: Path, debug_logs: list[str],
         capfd: pytest.CaptureFixture[str]) -> None:
@@ -583,6 +595,8 @@ def test_required_acl_names_operation_and_resource() -> None:
         == "WRITE on TransactionalId 'o-1'"
     assert required_acl(53, "DescribeTransactions('o-2')") == "DESCRIBE on TransactionalId 'o-2'"
     assert required_acl(31, "DescribeConfigs") == "DESCRIBE_CONFIGS on Cluster 'kafka-cluster'"
+    assert required_acl(31, "WriteTxnMarkers(commit) orders-0 producer_id=1 epoch=0") \
+        == "CLUSTER_ACTION on Cluster 'kafka-cluster'"
     assert required_acl(30, "FindCoordinator response error: Group authorization failed.",
                         "prefix 'dualwrite-verify-'") \
         == "DESCRIBE on Group prefix 'dualwrite-verify-'"

@@ -53,9 +53,11 @@ __all__ = [
     "Outcome",
     "OwnerAlive",
     "Prefetched",
+    "commit_lost_marker",
     "committed_at_anchor",
     "complete",
     "end_open_transaction",
+    "find_lost_commit_marker",
     "named_transaction_committed",
     "names_open_transaction",
     "prefetch",
@@ -273,7 +275,12 @@ def complete(cp: ControlPlane, consumer_config: Mapping[str, Any], transactional
     aborted_other = done is Outcome.ABORTED
     if state.is_empty:
         return Outcome.ABORTED if aborted_other else Outcome.NOTHING
+    if not aborted_other and commit_lost_marker(cp, consumer_config, tid, state, desc,
+                                                timeout_s):
+        done = Outcome.COMMITTED
     if named_transaction_committed(cp, consumer_config, tid, state, desc, timeout_s):
+        if done is Outcome.COMMITTED:
+            return done
         log.info("prepared transaction already committed transactional_id=%s producer_id=%d "
                  "epoch=%d state=%s", tid, state.producer_id, state.epoch, state)
         return Outcome.ABORTED if aborted_other else Outcome.ALREADY_COMMITTED
@@ -306,6 +313,15 @@ def named_transaction_committed(cp: ControlPlane, consumer_config: Mapping[str, 
                 f"{tid!r}: the coordinator reports Empty at the stored producer id and epoch, "
                 f"not how the transaction ended, and the state {state} has no anchor to check")
         return same and desc.state is TxnState.COMPLETE_COMMIT
+    tp = _anchor_partition(consumer_config, tid, state, anchor, desc, timeout_s)
+    return committed_at_anchor(consumer_config, tp, anchor.offset, timeout_s,
+                               transactional_id=tid, state=str(state))
+
+
+def _anchor_partition(consumer_config: Mapping[str, Any], tid: str, state: PreparedTxnState,
+                      anchor: Anchor, desc: TransactionDescription | None,
+                      timeout_s: float) -> TopicPartition:
+    """The partition ``anchor`` names; :class:`OutcomeUnreadableError` if no topic has it."""
     tp = anchor.resolve(desc.partitions if desc is not None else frozenset())
     if tp is None:
         # Hashed topic and the transaction ended (the coordinator lists no partitions any more):
@@ -314,8 +330,56 @@ def named_transaction_committed(cp: ControlPlane, consumer_config: Mapping[str, 
     if tp is None:
         raise OutcomeUnreadableError(
             tid, str(state), f"no topic of the cluster has the digest {anchor.topic} (deleted?)")
-    return committed_at_anchor(consumer_config, tp, anchor.offset, timeout_s,
-                               transactional_id=tid, state=str(state))
+    return tp
+
+
+def find_lost_commit_marker(cp: ControlPlane, consumer_config: Mapping[str, Any], tid: str,
+                            state: PreparedTxnState, desc: TransactionDescription | None,
+                            timeout_s: float) -> tuple[TopicPartition, ActiveProducer] | None:
+    """The anchor partition and its open transaction, if the coordinator completed the commit
+    of the transaction ``state`` names but that partition never got the commit marker.
+
+    Kafka's TransactionMarkerChannelManager skips a partition whose leader endpoint it cannot
+    look up ("likely deleted already") and still completes the transaction. A broker that
+    restarts as the only replica of the partition, its old registration not yet expired (it is
+    fenced, leaderless, then elected again), does that to a PrepareCommit it reloads: the
+    coordinator says CompleteCommit, and the partition keeps the transaction open for ever, its
+    last stable offset stuck at the anchor (seen with Kafka 4.3.1; docs/design.md). The
+    coordinator's CompleteCommit at the stored producer id and epoch is the stored transaction's
+    (see :func:`named_transaction_committed`), and the partition's open transaction of that
+    producer id and epoch starts at the anchor offset: it is that transaction's.
+    """
+    anchor = state.anchor
+    if (anchor is None or desc is None or desc.state is not TxnState.COMPLETE_COMMIT
+            or (desc.producer_id, desc.epoch) != (state.producer_id, state.epoch)):
+        return None
+    tp = _anchor_partition(consumer_config, tid, state, anchor, desc, timeout_s)
+    for producer in cp.describe_producers([tp]).get(tp, []):
+        if ((producer.producer_id, producer.epoch) == (state.producer_id, state.epoch)
+                and producer.current_txn_start_offset == anchor.offset):
+            return tp, producer
+    return None
+
+
+def commit_lost_marker(cp: ControlPlane, consumer_config: Mapping[str, Any], tid: str,
+                       state: PreparedTxnState, desc: TransactionDescription | None,
+                       timeout_s: float) -> bool:
+    """Write the commit marker :func:`find_lost_commit_marker` finds missing; True if written.
+
+    The outcome written is the coordinator's own decision, on the one partition known to be in
+    the transaction (the coordinator no longer lists the others).
+    """
+    lost = find_lost_commit_marker(cp, consumer_config, tid, state, desc, timeout_s)
+    if lost is None:
+        return False
+    tp, producer = lost
+    log.warning("transactional_id=%s producer_id=%d epoch=%d state=%s: the coordinator "
+                "completed the commit but %s never got its marker (its transaction is still "
+                "open at the anchor offset); writing the commit marker", tid, state.producer_id,
+                state.epoch, state, tp)
+    cp.write_txn_marker(tp, state.producer_id, state.epoch, producer.coordinator_epoch,
+                        commit=True)
+    return True
 
 
 _VERIFY_GROUP_PREFIX = "dualwrite-verify-"

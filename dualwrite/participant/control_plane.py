@@ -27,6 +27,7 @@ from kafka.protocol.metadata import (
     FindCoordinatorRequest,
     MetadataRequest,
 )
+from kafka.protocol.producer.transaction import WriteTxnMarkersRequest
 
 from dualwrite.deadline import Deadline, bounded, wait_s
 from dualwrite.errors import (
@@ -630,6 +631,47 @@ class ControlPlane:
             return out
 
         return await self._with_retries("DescribeProducers", attempt, dl)
+
+    # -- WriteTxnMarkers -----------------------------------------------------------------------
+
+    def write_txn_marker(self, tp: TopicPartition, producer_id: int, epoch: int,
+                         coordinator_epoch: int, *, commit: bool) -> None:
+        """Write the marker that ends (producer id, epoch)'s open transaction on ``tp`` alone,
+        at its leader, as a coordinator would (the request behind KIP-664's abort tool).
+
+        Only for a transaction whose coordinator has already decided and completed it but whose
+        marker never reached ``tp`` (see :func:`completion.commit_lost_marker`): the outcome
+        written must be the coordinator's own. Needs CLUSTER_ACTION on the cluster.
+        """
+        verb = "commit" if commit else "abort"
+        what = (f"WriteTxnMarkers({verb}) {tp} producer_id={producer_id} epoch={epoch} "
+                f"coordinator_epoch={coordinator_epoch}")
+        log.warning("%s", what)
+        self._run(self._write_txn_marker, tp, producer_id, epoch, coordinator_epoch, commit,
+                  what, self._deadline())
+
+    async def _write_txn_marker(self, tp: TopicPartition, pid: int, epoch: int,
+                                coordinator_epoch: int, commit: bool, what: str,
+                                dl: Deadline) -> None:
+        marker_type = WriteTxnMarkersRequest.WritableTxnMarker
+        request = WriteTxnMarkersRequest(markers=[marker_type(
+            producer_id=pid, producer_epoch=epoch, transaction_result=commit,
+            topics=[marker_type.WritableTxnMarkerTopic(name=tp.topic,
+                                                       partition_indexes=[tp.partition])],
+            coordinator_epoch=coordinator_epoch)])
+
+        async def attempt() -> None:
+            if tp not in self._leaders:
+                await self._find_leaders([tp], dl)
+            response = await self._send(dl, request, self._leaders[tp])
+            for result in response.markers:
+                for topic in result.topics:
+                    for part in topic.partitions:
+                        if part.error_code:
+                            self._leaders.pop(tp, None)  # leadership moved: look it up again
+                        raise_for_code(part.error_code, what)
+
+        await self._with_retries(what, attempt, dl)
 
     # -- EndTxn --------------------------------------------------------------------------------
 

@@ -82,6 +82,7 @@ _REQUIRED_OPERATION: dict[tuple[str, int], str] = {
     ("FindCoordinator", 30): "DESCRIBE",
     ("DescribeConfigs", 31): "DESCRIBE_CONFIGS",
     ("InitProducerId", 31): "IDEMPOTENT_WRITE",
+    ("WriteTxnMarkers", 31): "CLUSTER_ACTION",
     ("DescribeTransactions", 53): "DESCRIBE",
     ("ListTransactions", 53): "DESCRIBE",
     ("FindCoordinator", 53): "WRITE",  # the transactional producer's WRITE implies DESCRIBE

@@ -43,6 +43,7 @@ from dualwrite.participant.completion import (
     Prefetched,
     complete,
     end_open_transaction,
+    find_lost_commit_marker,
     named_transaction_committed,
     names_open_transaction,
     prefetch,
@@ -500,6 +501,21 @@ def _classify(cp: ControlPlane, kafka_config: Mapping[str, Any], row: StateRow,
         # The session's last transaction committed. A writer commits in Kafka only what its
         # database COMMIT stored (recovery only what the state names), and the row keeps the
         # last stored state, so that transaction is the stored one.
+        try:
+            lost = find_lost_commit_marker(cp, kafka_config, tid, state, desc,
+                                           min(timeout_s, _STATUS_ANCHOR_S))
+        except (BrokerUnreachableError, DatabaseUnreachableError):
+            raise
+        except DualWriteError as exc:
+            return result(Condition.IN_DOUBT, "committed at the broker (CompleteCommit, same "
+                          "producer id and epoch), but whether its anchor partition got the "
+                          f"commit marker could not be checked ({exc}): run `dualwrite recover`")
+        if lost is not None:
+            tp, _ = lost
+            return result(Condition.IN_DOUBT, "committed at the broker (CompleteCommit), but "
+                          f"{tp} never got the commit marker (a broker lost it: docs/design.md) "
+                          "and keeps the transaction open, read_committed consumers stuck: "
+                          "`dualwrite recover` writes the marker")
         return result(Condition.COMPLETED, "committed at the broker (CompleteCommit, same "
                       "producer id and epoch): its writer stopped without close()")
     try:
