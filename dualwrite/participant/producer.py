@@ -807,8 +807,8 @@ def _bound_socket_timeout(config: dict[str, Any], timeout_s: float) -> None:
     (bench/README.md). So the socket timeout stays at librdkafka's default unless the
     transaction timeout is shorter (librdkafka wants it 100 ms below that), and no longer than
     the producer's ``timeout_s`` (at least 5 s): a request still in flight when its call gave up
-    (an InitProducerId sent to a broker that is down) must not reach the broker once it is back,
-    where it races the coordinator's loading of a commit whose markers are not yet written.
+    (an InitProducerId sent to a broker that is down) should not reach the broker long after,
+    once it is back, where a delayed request can act on a later transaction (KAFKA-17754).
     """
     if "socket.timeout.ms" in config:
         return
