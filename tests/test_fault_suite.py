@@ -49,7 +49,15 @@ from dualwrite.participant import (
     TxnState,
 )
 from dualwrite.writer import PhaseHooks
-from tests._fault_runner import KINDS, FaultRunner, Metrics, heal_brokers, pg_ctl
+from tests._fault_runner import (
+    KINDS,
+    Fault,
+    FaultRunner,
+    Metrics,
+    coordinator_unanswering,
+    heal_brokers,
+    pg_ctl,
+)
 from tests._tcp_proxy import TcpProxy
 
 KAFKA_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA_VERSION", "4.3.1")
@@ -296,3 +304,19 @@ def test_status_and_recover_with_the_coordinator_down(fault_cluster: LocalKafkaC
     records, unreadable = read_committed(cluster.bootstrap_servers, topic, timeout_s=60)
     assert unreadable == []
     assert [v for _, v in records] == [tid.encode()]
+
+
+def test_an_unanswering_coordinator_is_allowed_only_within_a_broker_fault() -> None:
+    """The suite's allowance for OutcomeUnknownError when the coordinator could not be asked:
+    only for a call that overlapped a fault stopping a broker."""
+    msg = ("commit of transactional_id=w2 ... has an unknown outcome and the coordinator could "
+           "not be asked (DescribeTransactions: ... NOT_COORDINATOR); run `dualwrite recover`")
+    error = {"type": "OutcomeUnknownError", "msg": msg, "t0": 120.0, "t": 141.0}
+    kill = Fault("coordinator-kill", "broker 1", started=122.6, ended=123.3)
+    assert coordinator_unanswering(error, [kill])
+    assert not coordinator_unanswering(error, [Fault("postgres-cut", "db", 122.6, 125.0)])
+    assert not coordinator_unanswering(error, [Fault("broker-kill", "broker 3", 100.0, 102.0)])
+    assert not coordinator_unanswering(error, [Fault("broker-kill", "broker 3", 150.0, 152.0)])
+    other = {**error, "msg": "the database COMMIT ... has an unknown outcome"}
+    assert not coordinator_unanswering(other, [kill])
+    assert not coordinator_unanswering({**error, "type": "FatalError"}, [kill])
