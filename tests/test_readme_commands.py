@@ -562,4 +562,8 @@ def test_readme_scenario_runs(scenario: Scenario, workdir: Path, kafka: KafkaTar
         seen = len(re.findall(pattern, output, re.MULTILINE))
         assert seen >= count, f"{scenario.name}: expected {pattern!r} {count} times, saw {seen}:" \
                               f"\n{said[-4000:]}"
-    assert "Traceback" not in output, output[-6000:]
+    # The one traceback by design: Spark planned a batch past --max-batches before the query
+    # stopped, and orders_pipeline.py fails that batch (BatchLimitReachedError) so that Spark
+    # does not mark it done; Spark logs its stack, once per traceback line of it.
+    designed = output.count("BatchLimitReachedError: batch")
+    assert output.count("Traceback") <= designed, output[-6000:]
