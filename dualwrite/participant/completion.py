@@ -23,8 +23,10 @@ from typing import Any
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as CKTopicPartition
 
-from dualwrite.deadline import bounded, wait_s
+from dualwrite.deadline import bounded, deadline_scope, wait_s
 from dualwrite.errors import (
+    BrokerUnreachableError,
+    DualWriteError,
     FatalError,
     HeuristicAbortError,
     OutcomeUnknownError,
@@ -68,6 +70,8 @@ log = logging.getLogger(__name__)
 _INVALID_TXN_STATE = 48
 # How often completion re-reads a transactional id that changed under it (a live writer racing).
 _RACE_ATTEMPTS = 5
+# How long the lost-marker check may ask the anchor's leader (find_lost_commit_marker).
+_LOST_MARKER_CHECK_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -354,7 +358,18 @@ def find_lost_commit_marker(cp: ControlPlane, consumer_config: Mapping[str, Any]
             or (desc.producer_id, desc.epoch) != (state.producer_id, state.epoch)):
         return None
     tp = _anchor_partition(consumer_config, tid, state, anchor, desc, timeout_s)
-    for producer in cp.describe_producers([tp]).get(tp, []):
+    try:
+        with deadline_scope(min(timeout_s, _LOST_MARKER_CHECK_S)):
+            producers = cp.describe_producers([tp]).get(tp, [])
+    except BrokerUnreachableError:
+        raise
+    except DualWriteError as exc:
+        # The topic or partition is gone (UNKNOWN_TOPIC_OR_PARTITION is retried up to the bound
+        # above), or DescribeProducers is not allowed: nothing to repair here, and the anchor
+        # check that follows says what became of the transaction.
+        log.debug("transactional_id=%s: no lost-marker check on %s (%s)", tid, tp, exc)
+        return None
+    for producer in producers:
         if ((producer.producer_id, producer.epoch) == (state.producer_id, state.epoch)
                 and producer.current_txn_start_offset == anchor.offset):
             return tp, producer
