@@ -242,7 +242,11 @@ def test_kafka_gone_under_a_live_writer(writers: Any, kafka: LocalKafkaCluster, 
         print("Kafka completed the commit without its marker; recovery wrote the marker")
         assert result.outcome is dualwrite.Outcome.COMMITTED, result
     else:
-        assert result.outcome is dualwrite.Outcome.ALREADY_COMMITTED, result
+        # "before-2" committed; requests of "while-gone" still queued in the writer's client may
+        # reach the broker once it is back (seen after SIGSTOP), and recovery then aborts that
+        # transaction and reports the id as aborted.
+        assert result.outcome in (dualwrite.Outcome.ALREADY_COMMITTED,
+                                  dualwrite.Outcome.ABORTED), result
 
 
 def _marker_lost(bootstrap: str, tid: str, topic: str) -> bool:

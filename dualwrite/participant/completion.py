@@ -279,12 +279,11 @@ def complete(cp: ControlPlane, consumer_config: Mapping[str, Any], transactional
     aborted_other = done is Outcome.ABORTED
     if state.is_empty:
         return Outcome.ABORTED if aborted_other else Outcome.NOTHING
-    if not aborted_other and commit_lost_marker(cp, consumer_config, tid, state, desc,
-                                                timeout_s):
-        done = Outcome.COMMITTED
+    repaired = not aborted_other and commit_lost_marker(cp, consumer_config, tid, state, desc,
+                                                        timeout_s)
     if named_transaction_committed(cp, consumer_config, tid, state, desc, timeout_s):
-        if done is Outcome.COMMITTED:
-            return done
+        if repaired:
+            return Outcome.COMMITTED
         log.info("prepared transaction already committed transactional_id=%s producer_id=%d "
                  "epoch=%d state=%s", tid, state.producer_id, state.epoch, state)
         return Outcome.ABORTED if aborted_other else Outcome.ALREADY_COMMITTED
