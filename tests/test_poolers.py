@@ -29,6 +29,7 @@ from dualwrite import DualWriter, FatalError
 from dualwrite.database import advisory_keys, normalize_url
 from dualwrite.dev import LocalPgBouncer
 from dualwrite.dev.pgbouncer import PoolMode
+from dualwrite.writer import PhaseHooks
 from tests._kafka_helpers import read_committed
 from tests.crash_worker import EVENTS, row_ids
 from tests.test_crash_matrix import ROWS, TID_PREFIX, CrashLoop, prepare_database
@@ -280,6 +281,90 @@ def test_a_writer_whose_session_a_pooler_moves_later_is_refused(
                 holder.close()
             admin.dispose()
     assert "transaction" in str(refusal.value) and "session pooling" in str(refusal.value)
+    _assert_settled(direct, bootstrap, tid, topic, committed)
+
+
+class _PinLeaseSession(PhaseHooks):
+    """Once armed: when the database has committed, client connections of the pooler's are
+    opened (each in an open transaction, pinning its server session) until one runs on the
+    session holding the writer's lease, so that the writer's next statement runs elsewhere."""
+
+    def __init__(self, admin: sa.Engine, database: str, client_dsn: str) -> None:
+        self.armed = False
+        self.pinned: int | None = None
+        self.holders: list[Any] = []
+        self._admin, self._database, self._dsn = admin, database, client_dsn
+
+    def database_committed(self, state: Any) -> None:
+        if not self.armed or self.pinned is not None:
+            return
+        with self._admin.connect() as conn:
+            lease_pid = conn.execute(sa.text(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                "AND database = (SELECT oid FROM pg_database WHERE datname = :db)"),
+                {"db": self._database}).scalar_one()
+        while self.pinned is None:
+            assert len(self.holders) < 20, "no client got the lease's server session"
+            holder = psycopg.connect(self._dsn, prepare_threshold=None)
+            row = holder.execute("SELECT pg_backend_pid()").fetchone()
+            assert row is not None
+            self.holders.append(holder)
+            if row[0] == lease_pid:
+                self.pinned = lease_pid
+
+
+def test_a_writer_whose_lease_check_a_pooler_moves_is_refused(
+        postgres_url: str, database: str, bootstrap: str, topic: str) -> None:
+    """The check after a Kafka commit runs on another server session than the lease's, and the
+    lease's session still holds the lease: a transaction pooler moved the writer's connection
+    (a lost session loses its locks). The next transaction is refused before it begins (fails
+    without the "moved" verdict of DualWriter._check_lease: the writer took the check for a
+    lost session, could not take its lease again, and went on committing without one, leaving
+    the lease on a pooled server session where recovery takes it for a live writer's).
+    Staged: PgBouncer starts in session pooling (the start-up check passes) and is switched to
+    transaction pooling, which the writer's connection meets when its transaction ends; then
+    its session is pinned by other clients between a database commit and its Kafka commit, so
+    the check after that commit runs elsewhere. (Most likely how the test above failed once in CI:
+    DID NOT RAISE.) The writer may be refused earlier, by a lock or a check that the pooler
+    happened to run elsewhere; never may a transaction commit after the pinned one."""
+    direct = sa.make_url(postgres_url).set(database=database)
+    with LocalPgBouncer(postgres_url, pool_mode="session") as bouncer:
+        url = bouncer.url(database)
+        dsn = bouncer.url("pgbouncer").replace("postgresql+psycopg://", "postgresql://")
+        client = bouncer.url(database).replace("postgresql+psycopg://", "postgresql://")
+        admin = sa.create_engine(direct, isolation_level="AUTOCOMMIT")
+        hooks = _PinLeaseSession(admin, database, client)
+        tid = f"{TID_PREFIX}moved-check-{uuid.uuid4().hex[:8]}"
+        committed = [1]
+        try:
+            with DualWriter(url, {"bootstrap.servers": bootstrap}, transactional_id=tid,
+                            timeout_s=20, hooks=hooks) as writer:
+                _write_event(writer, topic, 1)
+                with pytest.raises(FatalError) as refusal:
+                    with psycopg.connect(dsn, autocommit=True) as console:
+                        console.execute("SET pool_mode = 'transaction'")
+                    _write_event(writer, topic, 2)
+                    committed.append(2)
+                    hooks.armed = True
+                    _write_event(writer, topic, 3)
+                    committed.append(3)
+                    _write_event(writer, topic, 4)
+        finally:
+            for holder in hooks.holders:
+                holder.close()
+            admin.dispose()
+    message = str(refusal.value)
+    assert "transaction" in message and "session pooling" in message, message
+    if hooks.pinned is not None:  # refused at the check after the pinned commit
+        assert committed == [1, 2, 3]
+        assert f"still held by backend {hooks.pinned}" in message, message
+    _assert_settled(direct, bootstrap, tid, topic, committed)
+
+
+def _assert_settled(direct: sa.URL, bootstrap: str, tid: str, topic: str,
+                    committed: list[int]) -> None:
+    """Recovery, on the database directly, settles ``tid``: rows == read_committed records ==
+    those of the ``committed`` transactions."""
     report = dualwrite.recover(direct.render_as_string(hide_password=False),
                                {"bootstrap.servers": bootstrap}, [tid], timeout_s=15)
     assert report.ok, report.as_dict()

@@ -479,6 +479,12 @@ class DualWriter:
             self._lease_check = None
         if verdict == "intact":
             return True
+        if verdict == "moved":
+            held = self._lease.backend_pid
+            self._drop_connection()
+            self._generation = None
+            raise pooler_error(self._engine, f"the writer's lease is still held by backend "
+                                             f"{held}, its connection was moved to another one")
         if verdict == "lost":
             log.warning("transactional_id=%s: the database session that held the lease ended "
                         "(server restart, terminated backend, failover?); starting a new "
@@ -498,7 +504,8 @@ class DualWriter:
     def _check_lease(self) -> str:
         """``"intact"``: the writer's connection still runs the session that took the lease
         and the id's generation is still this writer's; ``"claimed"``: someone claimed it;
-        ``"lost"``: the session is another one, or did not answer."""
+        ``"moved"``: the connection runs on another session while the lease's still holds it
+        (a transaction pooler); ``"lost"``: the session is another one, or did not answer."""
         conn, lease, generation = self._conn, self._lease, self._generation
         if conn is None or lease is None:
             return "lost"
@@ -511,7 +518,14 @@ class DualWriter:
                      exc)
             return "lost"
         if not lease.held_by_session(backend_pid):
-            return "lost"
+            try:
+                with conn.own_use(), deadline_scope(self._timeout_s):
+                    moved = self._leases.still_held_by_its_session(conn, lease)
+            except DualWriteError as exc:
+                log.info("transactional_id=%s: asking who holds the lease failed (%s)",
+                         self._tid, exc)
+                return "lost"
+            return "moved" if moved else "lost"
         return "intact" if stored == generation else "claimed"
 
     @contextmanager

@@ -280,6 +280,27 @@ class Leases:
                 except sa.exc.SQLAlchemyError:
                     conn.invalidate()  # closing the session releases them
 
+    def still_held_by_its_session(self, conn: Connection, lease: Lease) -> bool:
+        """Whether ``lease``'s own server session (:attr:`Lease.backend_pid`) still holds it,
+        asked on ``conn``. The holding connection answering from another session while this is
+        true was moved by a transaction pooler, not cut off: a lost session loses its locks."""
+        if lease.backend_pid is None or not self.supported:
+            return False
+        try:
+            if self._mysql:
+                name = mysql_lock_name(lease.transactional_id)
+                holder = conn.exec_driver_sql(f"SELECT IS_USED_LOCK('{name}')").scalar()
+            else:
+                k1, k2 = advisory_keys(b"dualwrite-lease", lease.transactional_id)
+                holder = conn.exec_driver_sql(
+                    "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                    f"AND objsubid = 2 AND classid::bigint = {k1 & 0xFFFFFFFF} "
+                    f"AND objid::bigint = {k2 & 0xFFFFFFFF}").scalar()
+            conn.rollback()
+        except sa.exc.SQLAlchemyError as exc:
+            raise database_error(exc, self._engine.url) from exc
+        return holder is not None and int(holder) == lease.backend_pid
+
     def _refuse_inherited(self, conn: Connection, keys: list[tuple[int, int]]) -> None:
         """Raise :func:`pooler_error` if ``conn``'s server session already holds one of these
         leases: the caller has taken none on this connection, so it inherited another client's
