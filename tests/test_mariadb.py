@@ -157,6 +157,7 @@ def test_the_lease_is_the_sessions_user_lock(engine: sa.Engine) -> None:
         a.commit()
         assert leases.try_acquire(b, tid) is None  # a's transactions end; its lease does not
         b.rollback()
+        assert leases.still_held_by_its_session(b, held)  # asked on another session
         _kill(engine, held.backend_pid)
 
         def taken() -> bool:
@@ -165,6 +166,7 @@ def test_the_lease_is_the_sessions_user_lock(engine: sa.Engine) -> None:
             return got
 
         assert wait_for(taken, 10)
+        assert not leases.still_held_by_its_session(b, held)  # b's now
 
 
 def test_a_live_writers_lease_keeps_recovery_off(engine: sa.Engine, bootstrap: str) -> None:
