@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,7 +30,7 @@ from dualwrite import (
     OutcomeUnknownError,
 )
 from dualwrite.deadline import MARGIN_S
-from dualwrite.dev import LocalKafkaCluster, LocalPostgres
+from dualwrite.dev import DevClusterError, LocalKafkaCluster, LocalPostgres
 from dualwrite.participant.control_plane import ControlPlane, TxnState
 from dualwrite.participant.identifiers import TopicPartition
 from dualwrite.recovery.report import Condition
@@ -196,6 +197,23 @@ def test_kafka_absent_before_start(writers: Any, pg_url: str) -> None:
     assert _rows(pg_url) == []
 
 
+def _rejoined(kafka: LocalKafkaCluster, fault: str) -> None:
+    """Wait for the broker to rejoin the metadata; a resumed broker that does not within a
+    minute is killed and started again, with a warning. Once in CI (late 2026) a resumed
+    4.3.1 broker ran on, loaded its transaction coordinator, and was still missing from the
+    metadata a minute later: Kafka's doing, not dualwrite's, and recovery after a restart
+    proves the same invariant."""
+    try:
+        kafka.wait_until_ready(60.0)
+    except DevClusterError as exc:
+        if fault != "SIGSTOP":
+            raise
+        warnings.warn(f"the resumed broker did not rejoin; restarting it: {exc}", stacklevel=2)
+        kafka.kill_broker(0)
+        kafka.restart_broker(0)
+
+
+@pytest.mark.timeout(360)  # _rejoined may restart the broker after waiting a minute
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_kafka_gone_under_a_live_writer(writers: Any, kafka: LocalKafkaCluster, pg_url: str,
                                         fault: str) -> None:
@@ -223,7 +241,7 @@ def test_kafka_gone_under_a_live_writer(writers: Any, kafka: LocalKafkaCluster, 
             kafka.restart_broker(0)
         else:
             kafka.resume_broker(0)
-    kafka.wait_until_ready(60.0)
+    _rejoined(kafka, fault)
     writer.close()
     hanging = _marker_lost(bootstrap, writer.transactional_id, topic)
     if hanging:

@@ -12,6 +12,7 @@ import base64
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -69,6 +70,8 @@ DOCKER_IMAGE = "apache/kafka"
 _MAIN_CLASS = "kafka.Kafka"
 _STOP_TIMEOUT_S = 20.0
 _DOCKER_LABEL = "dualwrite.dev=kafka"
+_LIFECYCLE = re.compile(r"[Ff]enc|[Rr]egistration|BrokerLifecycleManager|Unable to register")
+"""Broker log lines on a broker's registration and fencing (broker and controller side)."""
 
 
 def transactional_defaults(brokers: int) -> dict[str, str]:
@@ -566,6 +569,7 @@ class LocalKafkaCluster(LocalServer):
         expected = {n.node_id for n in self.nodes}
         admin: Any = None
         seen: set[int] = set()
+        last = "no metadata request sent (a port is closed)"
         while True:
             self._check_alive()
             if admin is None and all(port_open(n.port) for n in self.nodes):
@@ -580,13 +584,16 @@ class LocalKafkaCluster(LocalServer):
                     seen = {int(b) for b in metadata.brokers}
                     if expected <= seen:
                         return
+                    last = f"the last metadata answer listed brokers {sorted(seen)}"
                 except Exception as e:  # KafkaException while brokers register
                     log.debug("metadata not ready yet: %s", e)
+                    last = f"the last metadata request failed: {e}"
             if time.monotonic() > deadline:
                 missing = sorted(expected - seen)
                 raise DevClusterError(
                     f"Kafka {self.kafka_version} did not become ready within {timeout:.0f} s "
-                    f"(brokers not in metadata: {missing}).\n{self._log_tails()}"
+                    f"(brokers not in metadata: {missing}; {last}).\n"
+                    f"{self._lifecycle_lines()}\n{self._log_tails()}"
                 )
             time.sleep(0.2)
 
@@ -694,6 +701,17 @@ class LocalKafkaCluster(LocalServer):
         if "Address already in use" in text:
             return " A port was taken between choosing it and binding it; start again."
         return ""
+
+    def _lifecycle_lines(self, lines: int = 20) -> str:
+        """The last registration, fencing and heartbeat lines of each broker's log: why a
+        broker that runs is not in the metadata (the tail is often coordinator loading)."""
+        parts = []
+        for node in self.nodes:
+            found = [line for line in self.broker_log(node.index).splitlines()
+                     if line.startswith("[") and _LIFECYCLE.search(line)]  # not the config
+            parts.append(f"--- broker {node.node_id}: registration and fencing ---\n"
+                         + "\n".join(found[-lines:]))
+        return "\n".join(parts)
 
     def _log_tails(self, nodes: list[BrokerNode] | None = None, lines: int = 30) -> str:
         parts = []
