@@ -14,7 +14,7 @@ from typing import Any
 import dualwrite
 from dualwrite.database import normalize_url
 from dualwrite.dev import LocalPostgres
-from dualwrite.dev.postgres_cluster import _server_user, find_postgres_bindir
+from dualwrite.dev.postgres_cluster import find_postgres_bindir, postgres_server_account
 
 
 @contextmanager
@@ -55,7 +55,7 @@ def fresh_mariadb_database(base_url: str, prefix: str) -> Iterator[str]:
 def pg_ctl(pg: LocalPostgres, *args: str) -> None:
     """Run ``pg_ctl`` on ``pg``'s data directory as the account the server runs as."""
     assert pg.data_dir is not None
-    user = _server_user()
+    user = postgres_server_account()
     run_as: dict[str, Any] = (
         {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []} if user else {})
     subprocess.run([str(find_postgres_bindir() / "pg_ctl"), *args, "-D",

@@ -25,7 +25,7 @@ from dualwrite.dev import (
     transactional_defaults,
 )
 from dualwrite.dev._util import pid_alive
-from dualwrite.dev.kafka_cluster import _docker_env_name
+from dualwrite.dev.kafka_cluster import docker_env_name
 
 NewTopic = Callable[..., str]
 
@@ -126,9 +126,9 @@ def test_transactional_defaults_single_and_three_brokers() -> None:
 
 def test_docker_env_names_follow_the_apache_image_rules() -> None:
     assert (
-        _docker_env_name("transaction.state.log.min.isr") == "KAFKA_TRANSACTION_STATE_LOG_MIN_ISR"
+        docker_env_name("transaction.state.log.min.isr") == "KAFKA_TRANSACTION_STATE_LOG_MIN_ISR"
     )
-    assert _docker_env_name("a_b-c.d") == "KAFKA_A__B___C_D"
+    assert docker_env_name("a_b-c.d") == "KAFKA_A__B___C_D"
 
 
 def test_extra_config_overrides_defaults() -> None:

@@ -173,7 +173,7 @@ def _find_java() -> str:
     return java
 
 
-def _docker_env_name(prop: str) -> str:
+def docker_env_name(prop: str) -> str:
     # The apache/kafka image maps KAFKA_A_B__C___D to a.b_c-d.
     return "KAFKA_" + prop.replace("_", "__").replace("-", "___").replace(".", "_").upper()
 
@@ -951,7 +951,7 @@ class LocalKafkaCluster(LocalServer):
                 "KAFKA_CONTROLLER_LISTENER_NAMES": "CONTROLLER",
                 "KAFKA_LOG_DIRS": "/tmp/kraft-combined-logs",
             }
-            env.update({_docker_env_name(k): v for k, v in self._settings().items()})
+            env.update({docker_env_name(k): v for k, v in self._settings().items()})
             args = ["run", "-d", "--name", str(node.container), "--hostname", str(node.container)]
             args += ["--network", self.network, "--label", _DOCKER_LABEL]
             args += ["-p", f"127.0.0.1:{node.port}:9092"]

@@ -94,7 +94,7 @@ def find_postgres_bindir() -> Path:
     )
 
 
-def _server_user() -> pwd.struct_passwd | None:
+def postgres_server_account() -> pwd.struct_passwd | None:
     """The account to run PostgreSQL as: None (ourselves) unless we are root."""
     return server_user("PostgreSQL")
 
@@ -289,7 +289,7 @@ class LocalPostgres(LocalServer):
         """initdb (or, with ``replica_of``, a base backup of the server on that port with
         standby settings) and start."""
         bindir = find_postgres_bindir()
-        user = _server_user()
+        user = postgres_server_account()
         if self.data_dir is None:
             self.data_dir = Path(tempfile.mkdtemp(prefix="dualwrite-pg-"))
         self.data_dir.mkdir(parents=True, exist_ok=True)
