@@ -275,8 +275,8 @@ def test_broker_timeout_of_a_prepared_transaction_is_a_heuristic_abort(
 
 
 def test_dev_up_flavour_kfake(kfake: LocalKfake, tmp_path: Path) -> None:
-    """``dualwrite dev up --flavour kfake`` starts a detached broker that probe accepts;
-    ``dev down`` stops it."""
+    """``dualwrite dev up --flavour kfake`` starts a detached broker that probe accepts and
+    ``dev status`` shows; ``dev down`` stops it."""
     (tmp_path / "bin").mkdir()
     built = kfake_binary()
     shutil.copy2(built, tmp_path / "bin" / built.name)  # no second go build
@@ -291,11 +291,20 @@ def test_dev_up_flavour_kfake(kfake: LocalKfake, tmp_path: Path) -> None:
         probe = subprocess.run([*cli, "probe", "-b", state["bootstrap_servers"], "--json"],
                                capture_output=True, text=True, timeout=60)
         assert json.loads(probe.stdout)["supported"] is True
+        status = subprocess.run([*cli, "dev", "status", "--json"], capture_output=True,
+                                text=True, timeout=60, env=env)
+        assert status.returncode == 0, status.stdout + status.stderr
+        shown = json.loads(status.stdout)
+        assert shown["running"] is True and shown["flavour"] == "kfake", shown
+        assert shown["bootstrap_servers"] == state["bootstrap_servers"], shown
     finally:
         down = subprocess.run([*cli, "dev", "down"], capture_output=True, text=True,
                               timeout=60, env=env)
     assert down.returncode == 0 and "stopped the dev kfake broker" in down.stdout, down.stderr
     assert not pid_alive(int(state["pid"]))
+    after = subprocess.run([*cli, "dev", "status"], capture_output=True, text=True, timeout=60,
+                           env=env)
+    assert after.returncode == 3 and "no dev cluster" in after.stdout, after.stdout
 
 
 

@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import click
 
@@ -391,6 +391,9 @@ def status(as_json: bool) -> None:
     """Show whether the dev cluster runs. Exit code 0: all up, 1: some down, 3: none."""
     cluster = _load()
     if cluster is None:
+        broker = _load_kfake()
+        if broker is not None:
+            _kfake_status(broker, as_json)
         if as_json:
             click.echo(json.dumps({"running": False, "nodes": []}))
         else:
@@ -422,6 +425,23 @@ def status(as_json: bool) -> None:
     if up_count == len(rows):
         sys.exit(0)
     sys.exit(1 if up_count else 3)
+
+
+def _kfake_status(broker: LocalKfake, as_json: bool) -> NoReturn:
+    """``dev status`` for a ``dev up --flavour kfake`` broker (and its database server)."""
+    up = broker.running()
+    servers = _load_databases()
+    if as_json:
+        state = broker.to_state()
+        state["running"] = up
+        click.echo(json.dumps(state, indent=2))
+    else:
+        click.echo(f"kfake {kfake_version()} (1 broker) at {broker.bootstrap_servers} "
+                   f"(pid {broker.pid}): {'up' if up else 'DOWN'}")
+        for server in servers:
+            click.echo(f"{_server_name(server)} at {server.url}: "
+                       f"{'up' if server.running() else 'DOWN'}")
+    sys.exit(0 if up and all(server.running() for server in servers) else 1)
 
 
 @dev.command()
