@@ -724,7 +724,8 @@ class TwoPhaseProducer:
         """Abort the open or prepared transaction; allowed before the database decided commit."""
         self._require(_Phase.IN_TRANSACTION, _Phase.PREPARED, _Phase.FAILED,
                       verb="abort_transaction")
-        if self._unconfirmed or self._producer is None:
+        if (self._unconfirmed or self._producer is None
+                or (len(self._producer) and not self._acknowledged_before_abort())):
             self._abort_by_new_session()
             return
         troubles = self._troubles_so_far()
@@ -738,6 +739,28 @@ class TwoPhaseProducer:
         self._prepared = None
         log.info("aborted %s", self._ids())
         self._fence_late_endtxn(troubles)
+
+    def _acknowledged_before_abort(self) -> bool:
+        """Wait (within the bound) for the records still in flight; True once each is
+        acknowledged.
+
+        librdkafka's abort purges queued records, but an AddPartitionsToTxn it is retrying
+        (CONCURRENT_TRANSACTIONS while the last commit's markers are written, say) can reach
+        the coordinator after the abort's EndTxn, or after an abort that sent none because no
+        partition was registered yet: the transaction is open again at this epoch, Ongoing until
+        the next transaction or the broker's timeout, and read_committed consumers of its
+        partitions stall meanwhile (test_first_mistakes saw it about 1 run in 10 under load).
+        A record acknowledged means its partition is registered, so once all are, the EndTxn
+        ends them all; otherwise the abort starts a new session, whose epoch fences the late
+        request.
+        """
+        assert self._producer is not None
+        failed = len(self._delivery_errors)
+        try:
+            remaining = self._flush(within(self._timeout_s), None)
+        except (KafkaException, SystemError):  # a fatal error: the new session settles it
+            return False
+        return remaining == 0 and len(self._delivery_errors) == failed
 
     def _abort_by_new_session(self) -> None:
         """Abort a transaction whose records were not all acknowledged by starting a new session.
