@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -20,8 +22,10 @@ import pytest
 import sqlalchemy as sa
 
 import dualwrite
-from dualwrite import DatabaseUnreachableError, DualWriter
+from dualwrite import DatabaseUnreachableError, DualWriter, OutcomeUnknownError
 from dualwrite.database import check_mariadb_version
+from dualwrite.database._pymysql_seam import socket_fileno
+from dualwrite.deadline import MARGIN_S
 from dualwrite.errors import ConfigurationError, LockTimeoutError, TransactionConflictError
 from dualwrite.writer import StateStore
 from dualwrite.writer.lease import Leases
@@ -257,6 +261,69 @@ def test_a_commit_that_never_arrived_is_found_aborted(
     finally:
         writer.close()
     assert _rows(engine) == [b"kept", b"next"]
+    assert read_committed(bootstrap, topic) == _rows(engine)
+
+
+def test_the_pymysql_seam_finds_the_connections_socket(engine: sa.Engine) -> None:
+    """``_pymysql_seam.socket_fileno`` names the socket connected to the server (what
+    bounded_wait shuts down), and nothing once the connection is closed."""
+    port = int(engine.url.port or 3306)
+    with engine.connect() as conn:
+        raw = conn.connection.dbapi_connection
+        fd = socket_fileno(raw)
+        assert fd is not None
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            assert sock.getpeername()[1] == port
+        conn.invalidate()  # closes the PyMySQL connection
+        assert socket_fileno(raw) is None
+
+
+def test_a_silent_server_ends_the_commit_within_the_bound(
+        proxied: tuple[TcpProxy, sa.Engine], engine: sa.Engine, db_url: str, bootstrap: str,
+        topic: str) -> None:
+    """The COMMIT is held in the proxy, its connection left open: the server never answers.
+    The writer gives the connection up at its deadline (bounded_wait shuts the socket down;
+    before, PyMySQL waited as long as the proxy held, here for ever), asks the outcome and
+    raises a typed error within timeout_s and the margin; once the connection ends, recovery
+    settles the id: rows == read_committed records."""
+    proxy, through = proxied
+    timeout_s = 6.0
+    tid = unique("mdb-silent")
+    writer = DualWriter(through, {"bootstrap.servers": bootstrap}, transactional_id=tid,
+                        timeout_s=timeout_s)
+    failure: list[BaseException] = []
+    took: list[float] = []
+    try:
+        _write(writer, topic, "kept")
+        held = proxy.hold_next_request(contains(b"COMMIT"))
+
+        def silent() -> None:
+            started = time.monotonic()
+            try:
+                _write(writer, topic, "silent")
+            except BaseException as exc:
+                failure.append(exc)
+            took.append(time.monotonic() - started)
+
+        thread = threading.Thread(target=silent, daemon=True)
+        thread.start()
+        thread.join(timeout_s + MARGIN_S + 5)
+        finished = not thread.is_alive()
+        proxy.cut()
+        proxy.release()
+        thread.join(30)
+        assert held.is_set()
+        assert finished, "the writer still waited for the COMMIT's answer"
+        print(f"silent COMMIT on MariaDB: {type(failure[0]).__name__} after {took[0]:.1f} s "
+              f"(timeout_s={timeout_s})")
+        assert took[0] <= timeout_s + MARGIN_S, took
+        assert len(failure) == 1, failure
+        assert type(failure[0]) in (DatabaseUnreachableError, OutcomeUnknownError), failure
+    finally:
+        writer.close()
+    report = dualwrite.recover(db_url, {"bootstrap.servers": bootstrap}, [tid], timeout_s=20)
+    assert report.ok, report.as_dict()
+    assert _rows(engine) in ([b"kept"], [b"kept", b"silent"])
     assert read_committed(bootstrap, topic) == _rows(engine)
 
 

@@ -27,7 +27,7 @@ import socket
 import sqlite3
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy.engine import URL, make_url
 
+from dualwrite.database._pymysql_seam import socket_fileno
 from dualwrite.database.schema import STATE_TABLE, TRANSACTION_STATE, VERSION_TABLE
 from dualwrite.deadline import current_deadline
 from dualwrite.errors import (
@@ -188,9 +189,10 @@ def create_engine(url: str | URL, **kw: Any) -> Engine:
     recovery's) waits no longer than the deadline to connect, and its TCP timeouts are scaled
     to the scope's budget.
 
-    MariaDB (``mysql://``, ``mariadb://``): PyMySQL, ``connect_timeout`` 10 s, ``utf8mb4``,
-    ``pool_pre_ping``, and every transaction in READ COMMITTED (:data:`MYSQL_ISOLATION_LEVEL`)
-    unless ``isolation_level`` is given.
+    MariaDB (``mysql://``, ``mariadb://``): PyMySQL, ``connect_timeout`` 10 s (shortened to the
+    deadline of a :func:`dualwrite.deadline.deadline_scope`), ``utf8mb4``, ``pool_pre_ping``, and
+    every transaction in READ COMMITTED (:data:`MYSQL_ISOLATION_LEVEL`) unless
+    ``isolation_level`` is given.
 
     Other keyword arguments go to :func:`sqlalchemy.create_engine`.
     """
@@ -211,6 +213,7 @@ def create_engine(url: str | URL, **kw: Any) -> Engine:
         kw.setdefault("pool_pre_ping", True)
         engine = _sa_engine(parsed, connect_args, kw)
         event.listen(engine, "connect", _refuse_mysql)
+        event.listen(engine, "do_connect", _mysql_connect_within_deadline)
         return engine
     if "connect_timeout" not in parsed.query:
         connect_args.setdefault("connect_timeout", DEFAULT_PG_CONNECT_TIMEOUT_S)
@@ -279,19 +282,34 @@ def _connect_within_deadline(_dialect: Any, _record: Any, _cargs: Any,
     cap("keepalives_interval", max(1, int(budget / 6)))
 
 
+def _mysql_connect_within_deadline(_dialect: Any, _record: Any, _cargs: Any,
+                                   cparams: dict[str, Any]) -> None:
+    """Cap PyMySQL's connect timeout (whole seconds, at least 1) by the current deadline."""
+    deadline = current_deadline()
+    if deadline is None:
+        return
+    cap = max(1, math.ceil(deadline.left()))
+    try:
+        own = float(cparams.get("connect_timeout") or 0)
+    except (TypeError, ValueError):
+        own = 0
+    cparams["connect_timeout"] = cap if own <= 0 else min(own, cap)
+
+
 @contextmanager
 def bounded_wait(conn: Connection, what: str) -> Iterator[None]:
-    """Bound a wait for the database on ``conn`` (psycopg) by the current deadline.
+    """Bound a wait for the database on ``conn`` (psycopg or PyMySQL) by the current deadline.
 
     The kernel's TCP timeouts do not see a peer that acknowledges packets and never answers (a
-    stuck proxy or pooler, a paused server), and libpq has no client-side statement timeout:
-    past the deadline the connection's socket is shut down, which ends the driver's wait with
-    a lost connection, raised as :class:`DatabaseUnreachableError` naming the server and
-    ``what`` was waited for. Nothing is bounded outside a deadline scope or on other drivers.
+    stuck proxy or pooler, a paused server), and neither libpq nor PyMySQL has a client-side
+    bound on one statement: past the deadline the connection's socket is shut down, which ends
+    the driver's wait with a lost connection, raised as :class:`DatabaseUnreachableError`
+    naming the server and ``what`` was waited for. Nothing is bounded outside a deadline scope
+    or on SQLite (a local file).
     """
     deadline = current_deadline()
-    raw = conn.connection.dbapi_connection if conn.dialect.driver == "psycopg" else None
-    if deadline is None or raw is None:
+    fileno = _socket_of(conn)
+    if deadline is None or fileno is None:
         yield
         return
     wait = deadline.wait_s()
@@ -305,8 +323,10 @@ def bounded_wait(conn: Connection, what: str) -> Iterator[None]:
                 return
             fired.set()
         with contextlib.suppress(OSError, ValueError, AttributeError):
-            dup = socket.socket(fileno=os.dup(raw.pgconn.socket))
-            with dup:
+            fd = fileno()
+            if fd is None:  # closed meanwhile: its wait has ended
+                return
+            with socket.socket(fileno=os.dup(fd)) as dup:
                 dup.shutdown(socket.SHUT_RDWR)
 
     timer = threading.Timer(wait, abandon)
@@ -329,6 +349,17 @@ def bounded_wait(conn: Connection, what: str) -> Iterator[None]:
         with guard:
             done = True
         timer.cancel()
+
+
+def _socket_of(conn: Connection) -> Callable[[], int | None] | None:
+    """How to find ``conn``'s socket when its wait is abandoned; None for a driver without one
+    that :func:`bounded_wait` can shut down."""
+    raw = conn.connection.dbapi_connection
+    if conn.dialect.driver == "psycopg":
+        return lambda: int(raw.pgconn.socket)  # type: ignore[union-attr]
+    if conn.dialect.driver == "pymysql":
+        return lambda: socket_fileno(raw)
+    return None
 
 
 def _endpoint(url: URL) -> str:

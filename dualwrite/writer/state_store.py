@@ -26,6 +26,7 @@ Recovery reads states outside any writer's transaction (:meth:`StateStore.read`,
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -168,11 +169,12 @@ def _wait_bound(timeout_s: float | None) -> float | None:
 
 def _mysql_wait_options(timeout_s: float | None) -> str:
     """MariaDB: ``SET STATEMENT`` options bounding one statement's wait for row locks
-    (innodb_lock_wait_timeout, whole seconds) and its run (max_statement_time, a little
-    longer), or ``""``."""
+    (innodb_lock_wait_timeout, whole seconds, rounded down so that the server answers a held
+    lock before the client's guard gives the connection up) and its run (max_statement_time, a
+    little longer), or ``""``."""
     if timeout_s is None:
         return ""
-    lock_s = max(1, round(timeout_s))
+    lock_s = max(1, math.floor(timeout_s))
     return (f"SET STATEMENT innodb_lock_wait_timeout={lock_s}, "
             f"max_statement_time={lock_s * 1.1 + 0.5:.3f} FOR ")
 
@@ -185,7 +187,7 @@ def _mysql_session_lock_wait(conn: Connection, timeout_s: float | None) -> Itera
         yield
         return
     conn.exec_driver_sql("SET @dualwrite_lock_wait = @@SESSION.innodb_lock_wait_timeout, "
-                         f"SESSION innodb_lock_wait_timeout = {max(1, round(timeout_s))}")
+                         f"SESSION innodb_lock_wait_timeout = {max(1, math.floor(timeout_s))}")
     try:
         yield
     finally:
@@ -357,8 +359,9 @@ class StateStore:
             elif is_mysql(conn):
                 # One round trip: the upsert takes the row's exclusive lock (also when the row
                 # exists) and returns it, with the session and server that hold the lock.
-                found = conn.exec_driver_sql(_mysql_wait_options(timeout_s)
-                                             + self._mysql_lock_sql, (tid,)).one()
+                with bounded_wait(conn, f"the lock of {tid!r}'s state row"):
+                    found = conn.exec_driver_sql(_mysql_wait_options(timeout_s)
+                                                 + self._mysql_lock_sql, (tid,)).one()
             else:
                 conn.execute(self._insert_missing(conn, tid))
                 query = sa.select(*self._columns).where(t.c.transactional_id == tid)
