@@ -33,7 +33,14 @@ from dualwrite.writer import StateStore
 from tests import test_recipe
 from tests._db_helpers import pg_ctl, private_postgres
 from tests._kafka_helpers import unique
-from tests.test_recipe import _backend_pid, _kill_backend, assert_invariant, rows, write
+from tests.test_recipe import (
+    assert_invariant,
+    backend_pid,
+    kill_backend,
+    lease_checked,
+    rows,
+    write,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -166,8 +173,8 @@ def test_session_terminated_before_the_lock(
 
     def kill_then_lock(self: StateStore, conn: sa.Connection, tid: str,
                        **kw: Any) -> dualwrite.writer.StateRow:
-        killed.append(_backend_pid(conn))
-        _kill_backend(db_url, killed[-1])
+        killed.append(backend_pid(conn))
+        kill_backend(db_url, killed[-1])
         return real(self, conn, tid, **kw)
 
     monkeypatch.setattr(StateStore, "lock_row", kill_then_lock)
@@ -196,8 +203,8 @@ def test_session_terminated_before_the_commit(
 
         def kill_then_write_and_commit(self: StateStore, conn: sa.Connection, tid: str,
                                        state: str) -> None:
-            killed.append(_backend_pid(conn))
-            _kill_backend(db_url, killed[-1])
+            killed.append(backend_pid(conn))
+            kill_backend(db_url, killed[-1])
             real_wc(self, conn, tid, state)
 
         monkeypatch.setattr(StateStore, "write_and_commit", kill_then_write_and_commit)
@@ -207,8 +214,8 @@ def test_session_terminated_before_the_commit(
         def write_then_kill(self: StateStore, conn: sa.Connection, tid: str,
                             state: str) -> None:
             real_w(self, conn, tid, state)
-            killed.append(_backend_pid(conn))
-            _kill_backend(db_url, killed[-1])
+            killed.append(backend_pid(conn))
+            kill_backend(db_url, killed[-1])
 
         monkeypatch.setattr(StateStore, "write", write_then_kill)
     with pytest.raises(DatabaseUnreachableError) as failed:
@@ -230,17 +237,20 @@ def test_session_terminated_while_idle_and_its_replacement_too(
     held). A single idle kill is replaced silently (test_recipe covers that)."""
     writer = make_writer(engine, unique("fault-idle"))
     write(writer, topic, ["kept"])
+    # The check after the commit first: killed under it, the session reads as lost, and the next
+    # transaction locks first and replaces the connection twice (CI at 9ed9cb2).
+    lease_checked(writer)
     held = writer._conn
     assert held is not None
-    _kill_backend(db_url, _backend_pid(held))
+    kill_backend(db_url, backend_pid(held))
     import dualwrite.writer.dual_writer as recipe
     real_connect = recipe.writer_connection  # type: ignore[attr-defined]
     replaced: list[int] = []
 
     def connect_then_kill(engine_: sa.Engine, *args: Any) -> sa.Connection:
         conn = real_connect(engine_, *args)
-        replaced.append(_backend_pid(conn))
-        _kill_backend(db_url, replaced[-1])
+        replaced.append(backend_pid(conn))
+        kill_backend(db_url, replaced[-1])
         return conn
 
     monkeypatch.setattr(recipe, "writer_connection", connect_then_kill)
@@ -265,7 +275,7 @@ def test_the_database_lost_under_the_applications_statement_is_typed(
     with pytest.raises(DatabaseUnreachableError) as failed, writer.transaction() as tx:
         tx.produce(topic, b"lost", key=b"lost")
         conn = tx.connection
-        _kill_backend(db_url, _backend_pid(conn))
+        kill_backend(db_url, backend_pid(conn))
         conn.execute(sa.text("INSERT INTO app_rows (value) VALUES ('lost')"))
     _typed(failed, DatabaseUnreachableError)
     write(writer, topic, ["next"])

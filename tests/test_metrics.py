@@ -30,7 +30,7 @@ from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.writer import PhaseHooks
 from tests._db_helpers import fresh_schema
 from tests._kafka_helpers import read_committed, unique
-from tests.test_recover_watch import ROOT, SECRET, _env, _with_password, crash_after_db_commit
+from tests.test_recover_watch import ROOT, SECRET, crash_after_db_commit, with_password, worker_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -135,7 +135,7 @@ def test_a_pools_groups_and_saturation(pg: str, bootstrap: str, topic: str) -> N
 
 
 def test_status_prometheus_prints_the_exposition(pg: str, bootstrap: str, topic: str) -> None:
-    url = _with_password(pg)
+    url = with_password(pg)
     engine = dualwrite.create_engine(pg)
     with engine.begin() as conn:
         conn.exec_driver_sql("CREATE TABLE events (id TEXT PRIMARY KEY, txn INT NOT NULL)")
@@ -239,7 +239,7 @@ CLI_WITHOUT_PROMETHEUS = ("import sys; sys.modules['prometheus_client'] = None; 
 def test_nothing_recorded_and_nothing_fails_without_prometheus_client(
         pg: str, bootstrap: str, topic: str) -> None:
     run = subprocess.run([sys.executable, "-c", WITHOUT_PROMETHEUS, pg, bootstrap, topic,
-                          unique("no-prom")], capture_output=True, text=True, env=_env(),
+                          unique("no-prom")], capture_output=True, text=True, env=worker_env(),
                          cwd=ROOT, timeout=120, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "exposition: metrics need prometheus_client: pip install 'dualwrite[metrics]'" \
@@ -248,7 +248,7 @@ def test_nothing_recorded_and_nothing_fails_without_prometheus_client(
     assert sorted(read_committed(bootstrap, topic)) == [b"p", b"w"]
     for args in (["status", "--prometheus"], ["recover", "--watch", "1", "--metrics-port", "1"]):
         cli = subprocess.run([sys.executable, "-c", CLI_WITHOUT_PROMETHEUS, *args, "--db", pg,
-                              "-b", bootstrap], capture_output=True, text=True, env=_env(),
+                              "-b", bootstrap], capture_output=True, text=True, env=worker_env(),
                              timeout=60, check=False)
         assert cli.returncode == 2, (args, cli.stdout, cli.stderr)
         assert "pip install 'dualwrite[metrics]'" in cli.stderr, cli.stderr

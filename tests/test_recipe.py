@@ -256,7 +256,7 @@ def test_two_writers_one_transactional_id_stale_one_is_fenced(
 # -- database connection lost during COMMIT (PostgreSQL) ------------------------------------
 
 
-def _kill_backend(db_url: str, pid: int) -> None:
+def kill_backend(db_url: str, pid: int) -> None:
     """End the server session ``pid``: pg_terminate_backend, or MariaDB's KILL CONNECTION."""
     if normalize_url(db_url).get_backend_name() in ("mysql", "mariadb"):
         killer_engine = dualwrite.create_engine(db_url)
@@ -272,7 +272,7 @@ def _kill_backend(db_url: str, pid: int) -> None:
         killer.execute("SELECT pg_terminate_backend(%s)", (pid,))
 
 
-def _backend_pid(conn: sa.Connection) -> int:
+def backend_pid(conn: sa.Connection) -> int:
     """The server session of ``conn``: PostgreSQL's backend pid, MariaDB's CONNECTION_ID()."""
     if conn.dialect.name in ("mysql", "mariadb"):
         return int(conn.connection.dbapi_connection.thread_id())  # type: ignore[union-attr]
@@ -290,8 +290,8 @@ def kill_session_before_the_decision(monkeypatch: pytest.MonkeyPatch, db_url: st
     def kill_then_write_and_commit(self: StateStore, conn: sa.Connection, tid: str,
                                    state: str) -> None:
         if not killed:
-            killed.append(_backend_pid(conn))
-            _kill_backend(db_url, killed[0])
+            killed.append(backend_pid(conn))
+            kill_backend(db_url, killed[0])
         real(self, conn, tid, state)
 
     monkeypatch.setattr(StateStore, "write_and_commit", kill_then_write_and_commit)
@@ -329,7 +329,7 @@ def test_connection_lost_while_idle_is_replaced(
     write(writer, topic, ["first"])
     held = writer._conn
     assert held is not None
-    _kill_backend(db_url, _backend_pid(held))
+    kill_backend(db_url, backend_pid(held))
     write(writer, topic, ["second"])
     assert writer._conn is not held
     assert assert_invariant(engine, bootstrap, topic) == [b"first", b"second"]
@@ -377,7 +377,7 @@ def _crash_between_db_and_kafka_commit(writer: DualWriter, topic: str, values: l
     return str(state)
 
 
-def _heuristic_state(writers: Any, engine: sa.Engine, bootstrap: str, topic: str, tid: str,
+def heuristic_state(writers: Any, engine: sa.Engine, bootstrap: str, topic: str, tid: str,
                      monkeypatch: pytest.MonkeyPatch) -> str:
     """Leave ``tid`` with a database-committed state whose Kafka transaction the broker aborted
     (transaction.timeout.ms=2000 passed after a crash between the two commits)."""
@@ -395,7 +395,7 @@ def test_heuristic_abort_stops_writer_without_hook(
         writers: Any, engine: sa.Engine, bootstrap: str, topic: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
     tid = unique("recipe-heur")
-    state = _heuristic_state(writers, engine, bootstrap, topic, tid, monkeypatch)
+    state = heuristic_state(writers, engine, bootstrap, topic, tid, monkeypatch)
     strict = writers(engine, tid)
     for _ in range(2):  # it refuses every time, and writes nothing
         with pytest.raises(HeuristicAbortError) as info, strict.transaction():
@@ -413,7 +413,7 @@ def test_heuristic_abort_hook_called_and_writer_continues(
         writers: Any, engine: sa.Engine, bootstrap: str, topic: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
     tid = unique("recipe-hook")
-    state = _heuristic_state(writers, engine, bootstrap, topic, tid, monkeypatch)
+    state = heuristic_state(writers, engine, bootstrap, topic, tid, monkeypatch)
     calls: list[tuple[HeuristicAbortError, list[str]]] = []
 
     def hook(exc: HeuristicAbortError, conn: sa.Connection) -> None:

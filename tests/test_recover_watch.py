@@ -44,7 +44,7 @@ WORKER = ROOT / "tests" / "crash_worker.py"
 SECRET = "s3cret-Pa55word"
 
 
-def _env() -> dict[str, str]:
+def worker_env() -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
@@ -55,7 +55,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _with_password(url: str) -> str:
+def with_password(url: str) -> str:
     """``url`` with a password (the private server trusts 127.0.0.1: it is never checked)."""
     return sa.make_url(url).set(password=SECRET).render_as_string(hide_password=False)
 
@@ -69,7 +69,7 @@ class Daemon:
         if port is not None:
             cmd += ["--metrics-port", str(port)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=_env())
+                                     text=True, env=worker_env())
         self.lines: list[str] = []
         self._queue: queue.Queue[str] = queue.Queue()
         assert self.proc.stdout is not None
@@ -145,7 +145,8 @@ def crash_after_db_commit(url: str, bootstrap: str, topic: str, tid: str, txn: i
                              "--topic", topic, "--tid", tid, "--rows", "2",
                              "--first-txn", str(txn),
                              "--crash-point", "after-db-commit"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=worker_env())
     assert proc.stdout is not None
     try:
         line = proc.stdout.readline()
@@ -172,7 +173,7 @@ def private_pg() -> Iterator[LocalPostgres]:
 
 def test_daemon_survives_a_broker_and_a_database_restart(
         cluster: LocalKafkaCluster, private_pg: LocalPostgres) -> None:
-    url = _with_password(private_pg.url)
+    url = with_password(private_pg.url)
     dualwrite.upgrade_database(url)
     engine = dualwrite.create_engine(url)
     with engine.begin() as conn:

@@ -35,10 +35,10 @@ from dualwrite.writer import PhaseHooks, StateStore
 from tests import test_recipe
 from tests._kafka_helpers import in_thread, read_committed, unique, wait_for
 from tests.test_recipe import (
-    _backend_pid,
-    _heuristic_state,
-    _kill_backend,
     assert_invariant,
+    backend_pid,
+    heuristic_state,
+    kill_backend,
     kill_session_before_the_decision,
     rows,
     write,
@@ -276,7 +276,7 @@ def test_recovery_after_the_lease_was_lost_cannot_commit_the_writers_next_transa
 
     def terminate() -> None:
         assert writer._conn is not None
-        _kill_backend(db_url, _backend_pid(writer._conn))
+        kill_backend(db_url, backend_pid(writer._conn))
 
     lapsed_lease(writer, engine, bootstrap, topic, monkeypatch, terminate)
 
@@ -359,7 +359,7 @@ def test_the_hooks_republish_survives_a_failing_block(
     hook's re-publish with it and the next transaction overwrote the state, the loss forgotten.
     Now the re-publish and the acknowledgement commit together before the block runs."""
     tid = unique("hook-rollback")
-    state = _heuristic_state(writers, engine, bootstrap, topic, tid, monkeypatch)
+    state = heuristic_state(writers, engine, bootstrap, topic, tid, monkeypatch)
     calls: list[str] = []
 
     def republish(exc: HeuristicAbortError, conn: sa.Connection) -> None:
