@@ -26,7 +26,7 @@ from dualwrite import DualWriteError, DualWriter, OutcomeUnknownError, Retriable
 from dualwrite.cli import main as cli_main
 from dualwrite.dev import LocalKafkaCluster
 from dualwrite.dev.security import application_acls, write_properties_file
-from dualwrite.participant import TxnState
+from dualwrite.participant import Outcome, TxnState
 from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.writer import PhaseHooks
 from dualwrite.writer.lease import Leases
@@ -353,6 +353,36 @@ def test_late_control_plane_endtxn_cannot_end_the_next_transaction(
         assert read_committed(cluster.bootstrap_servers, topic, 10) == [b"t1"]
     finally:
         second.close()
+
+
+def test_a_control_plane_endtxn_whose_answer_is_lost_is_asked_about(
+        cluster: LocalKafkaCluster, proxy: TcpProxy, topic: str) -> None:
+    """Completing a prepared transaction by (producer id, epoch): the EndTxn(commit) is applied
+    and its answer lost with the connection. The coordinator is asked again; the transaction is
+    no longer open and its anchor is committed, so the completion succeeds (fault suite, CI at
+    9ed9cb2: a restarted writer's start raised OutcomeUnknownError here)."""
+    tid = unique("cp-lost-answer")
+    conf = _config(cluster, **{"transactional.id": tid, "linger.ms": 0})
+    first = dualwrite.TwoPhaseProducer(conf, timeout_s=15)
+    first.init_transactions()
+    first.begin_transaction()
+    first.produce(topic, b"t1")
+    state = first.prepare_transaction()
+    first.close()  # a crash between the two commits
+    second = dualwrite.TwoPhaseProducer(conf, timeout_s=15)
+    try:
+        second.init_transactions(keep_prepared_txn=True)
+        dropped = proxy.drop_next_response(kafka_api(END_TXN))
+        outcome = second.complete_transaction(state)
+        assert dropped.is_set()
+        assert outcome is Outcome.ALREADY_COMMITTED, outcome
+        second.begin_transaction()
+        second.produce(topic, b"t2")
+        second.prepare_transaction()
+        second.commit_transaction()
+    finally:
+        second.close()
+    assert read_committed(cluster.bootstrap_servers, topic, 10) == [b"t1", b"t2"]
 
 
 def test_late_recovery_endtxn_cannot_end_a_lock_first_writers_next_transaction(

@@ -224,7 +224,10 @@ def end_open_transaction(cp: ControlPlane, transactional_id: str, state: Prepare
                 continue
             log.info("commit in-doubt transaction transactional_id=%s producer_id=%d epoch=%d "
                      "state=%s", tid, desc.producer_id, desc.epoch, state)
-            cp.end_transaction(tid, desc.producer_id, desc.epoch, commit=True)
+            try:
+                cp.end_transaction(tid, desc.producer_id, desc.epoch, commit=True)
+            except OutcomeUnknownError as unanswered:
+                return None, _ask_after_unanswered_commit(cp, desc, timeout_s, unanswered)
             return Outcome.COMMITTED, _wait_until_settled(cp, tid, timeout_s, None)
         log.info("abort open transaction not named by the prepared state transactional_id=%s "
                  "producer_id=%d epoch=%d state=%r", tid, desc.producer_id, desc.epoch, str(state))
@@ -241,6 +244,40 @@ def end_open_transaction(cp: ControlPlane, transactional_id: str, state: Prepare
         return Outcome.ABORTED, _wait_until_settled(cp, tid, timeout_s, None)
     raise RetriableError(f"transactional id {tid!r} kept changing while being completed; "
                          "is a writer still running? retry recovery")
+
+
+_UNANSWERED_GRACE_S = 2.0
+"""How long an EndTxn(commit) whose answer was lost is given to show at the coordinator: a
+request read before its connection broke is still handled by the broker."""
+
+
+def _ask_after_unanswered_commit(cp: ControlPlane, sent: TransactionDescription,
+                                 timeout_s: float, unanswered: OutcomeUnknownError
+                                 ) -> TransactionDescription | None:
+    """The coordinator's view after an EndTxn(commit) of ``sent`` got no answer (a cut
+    connection, a timeout): once that transaction is no longer open, its description, and
+    :func:`complete` reads the outcome at the anchor. Still open, the unknown outcome stands:
+    the EndTxn may arrive later, and one sent again could then meet a later transaction of the
+    same producer id and epoch (KAFKA-17754); ``complete`` run again asks afresh."""
+    tid = sent.transactional_id
+    give_up = time.monotonic() + wait_s(_UNANSWERED_GRACE_S)
+    try:
+        while True:
+            desc = _wait_until_settled(cp, tid, timeout_s, None)
+            still_open = (desc is not None and desc.state is TxnState.ONGOING
+                          and (desc.producer_id, desc.epoch) == (sent.producer_id, sent.epoch))
+            if not still_open:
+                log.info("transactional_id=%s producer_id=%d epoch=%d: the EndTxn(commit) got no "
+                         "answer; the coordinator now says %s", tid, sent.producer_id,
+                         sent.epoch, "nothing" if desc is None else desc.state.value)
+                return desc
+            if time.monotonic() >= give_up:
+                raise unanswered
+            time.sleep(0.1)
+    except OutcomeUnknownError:
+        raise
+    except DualWriteError as exc:
+        raise unanswered from exc
 
 
 def _wait_for_live_owner(cp: ControlPlane, tid: str, state: PreparedTxnState, timeout_s: float,
