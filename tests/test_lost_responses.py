@@ -320,19 +320,27 @@ def test_a_stalled_flush_is_sent_again_in_a_new_session(
     assert _check_invariant(cluster, pg_url, topic, [tid]) == 4
 
 
-def test_late_control_plane_endtxn_cannot_end_the_next_transaction(
-        cluster: LocalKafkaCluster, proxy: TcpProxy, topic: str) -> None:
-    """Completing a prepared transaction by (producer id, epoch) through the control plane: the
-    first EndTxn(commit) is held until it times out, the retry commits; the session then starts
-    (InitProducerId bumps the epoch) and T2 begins; the held copy arrives and is fenced."""
-    tid = unique("cp-17754")
+def _prepared_then_crashed(cluster: LocalKafkaCluster, topic: str, tid: str
+                           ) -> tuple[dict[str, Any], dualwrite.PreparedTxnState]:
+    """A producer's configuration and the state of its transaction ("t1"), prepared, then
+    left open as a crash between the two commits leaves it."""
     conf = _config(cluster, **{"transactional.id": tid, "linger.ms": 0})
     first = dualwrite.TwoPhaseProducer(conf, timeout_s=15)
     first.init_transactions()
     first.begin_transaction()
     first.produce(topic, b"t1")
     state = first.prepare_transaction()
-    first.close()  # a crash between the two commits
+    first.close()
+    return conf, state
+
+
+def test_late_control_plane_endtxn_cannot_end_the_next_transaction(
+        cluster: LocalKafkaCluster, proxy: TcpProxy, topic: str) -> None:
+    """Completing a prepared transaction by (producer id, epoch) through the control plane: the
+    first EndTxn(commit) is held until it times out, the retry commits; the session then starts
+    (InitProducerId bumps the epoch) and T2 begins; the held copy arrives and is fenced."""
+    tid = unique("cp-17754")
+    conf, state = _prepared_then_crashed(cluster, topic, tid)
     second = dualwrite.TwoPhaseProducer(conf, timeout_s=4)
     try:
         second.init_transactions(keep_prepared_txn=True)
@@ -362,13 +370,7 @@ def test_a_control_plane_endtxn_whose_answer_is_lost_is_asked_about(
     no longer open and its anchor is committed, so the completion succeeds (fault suite, CI at
     9ed9cb2: a restarted writer's start raised OutcomeUnknownError here)."""
     tid = unique("cp-lost-answer")
-    conf = _config(cluster, **{"transactional.id": tid, "linger.ms": 0})
-    first = dualwrite.TwoPhaseProducer(conf, timeout_s=15)
-    first.init_transactions()
-    first.begin_transaction()
-    first.produce(topic, b"t1")
-    state = first.prepare_transaction()
-    first.close()  # a crash between the two commits
+    conf, state = _prepared_then_crashed(cluster, topic, tid)
     second = dualwrite.TwoPhaseProducer(conf, timeout_s=15)
     try:
         second.init_transactions(keep_prepared_txn=True)
