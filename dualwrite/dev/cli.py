@@ -416,10 +416,8 @@ def status(as_json: bool) -> None:
             state_text = "up" if r["process"] and r["port_open"] else "DOWN"
             click.echo(f"  node {r['node_id']} {r['address']} ({where}): {state_text}")
     servers = _load_databases()
-    for server in servers:
-        if not as_json:
-            click.echo(f"{_server_name(server)} at {server.url}: "
-                       f"{'up' if server.running() else 'DOWN'}")
+    if not as_json:
+        _echo_database_servers(servers)
     if any(not server.running() for server in servers):
         sys.exit(1)
     if up_count == len(rows):
@@ -438,10 +436,15 @@ def _kfake_status(broker: LocalKfake, as_json: bool) -> NoReturn:
     else:
         click.echo(f"kfake {kfake_version()} (1 broker) at {broker.bootstrap_servers} "
                    f"(pid {broker.pid}): {'up' if up else 'DOWN'}")
-        for server in servers:
-            click.echo(f"{_server_name(server)} at {server.url}: "
-                       f"{'up' if server.running() else 'DOWN'}")
+        _echo_database_servers(servers)
     sys.exit(0 if up and all(server.running() for server in servers) else 1)
+
+
+def _echo_database_servers(servers: list[DatabaseServer]) -> None:
+    """``dev status``'s line per database server of the dev cluster."""
+    for server in servers:
+        click.echo(f"{_server_name(server)} at {server.url}: "
+                   f"{'up' if server.running() else 'DOWN'}")
 
 
 @dev.command()

@@ -61,6 +61,19 @@ _SESSION_CHECKED: weakref.WeakSet[Engine] = weakref.WeakSet()
 _PROBES = 3
 
 
+def _pg_lease_keys(transactional_id: str) -> tuple[int, int]:
+    """The PostgreSQL advisory-lock key pair of ``transactional_id``'s lease."""
+    return advisory_keys(b"dualwrite-lease", transactional_id)
+
+
+def _pg_lease_locks(keys: list[tuple[int, int]]) -> str:
+    """The ``pg_locks`` condition naming the lease locks of these key pairs (two-key advisory
+    locks; ``pg_locks`` shows each half as an unsigned 32-bit ``oid``)."""
+    pairs = ", ".join(f"({k1 & 0xFFFFFFFF}, {k2 & 0xFFFFFFFF})" for k1, k2 in keys)
+    return ("locktype = 'advisory' AND objsubid = 2 "
+            f"AND (classid::bigint, objid::bigint) IN ({pairs})")
+
+
 def mysql_lock_name(transactional_id: str) -> str:
     """The MariaDB user-lock name of ``transactional_id``'s lease (at most 64 characters)."""
     return "dualwrite-lease-" + hashlib.sha256(transactional_id.encode()).hexdigest()[:40]
@@ -229,7 +242,7 @@ class Leases:
                     for tid, ok in zip(ids, got, strict=True) if ok == 1}
         if self._dialect == "postgresql":
             self.check_sessions()
-            keys = {tid: advisory_keys(b"dualwrite-lease", tid) for tid in ids}
+            keys = {tid: _pg_lease_keys(tid) for tid in ids}
             self._refuse_inherited(conn, list(keys.values()))
             columns = ", ".join(f"pg_try_advisory_lock({k1}, {k2})" for k1, k2 in keys.values())
             *got, pid = conn.exec_driver_sql(f"SELECT {columns}, pg_backend_pid()").one()
@@ -291,11 +304,10 @@ class Leases:
                 name = mysql_lock_name(lease.transactional_id)
                 holder = conn.exec_driver_sql(f"SELECT IS_USED_LOCK('{name}')").scalar()
             else:
-                k1, k2 = advisory_keys(b"dualwrite-lease", lease.transactional_id)
+                keys = [_pg_lease_keys(lease.transactional_id)]
                 holder = conn.exec_driver_sql(
-                    "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
-                    f"AND objsubid = 2 AND classid::bigint = {k1 & 0xFFFFFFFF} "
-                    f"AND objid::bigint = {k2 & 0xFFFFFFFF}").scalar()
+                    f"SELECT pid FROM pg_locks WHERE granted AND {_pg_lease_locks(keys)}"
+                ).scalar()
             conn.rollback()
         except sa.exc.SQLAlchemyError as exc:
             raise database_error(exc, self._engine.url) from exc
@@ -306,11 +318,9 @@ class Leases:
         leases: the caller has taken none on this connection, so it inherited another client's
         session (a transaction pooler, or session pooling without ``DISCARD ALL`` between
         clients), where ``pg_try_advisory_lock`` would "take" a lease its holder still uses."""
-        pairs = ", ".join(f"({k1 & 0xFFFFFFFF}, {k2 & 0xFFFFFFFF})" for k1, k2 in keys)
         found = conn.exec_driver_sql(
-            "SELECT count(*), pg_backend_pid() FROM pg_locks WHERE locktype = 'advisory' "
-            "AND pid = pg_backend_pid() AND objsubid = 2 "
-            f"AND (classid::bigint, objid::bigint) IN ({pairs})").one()
+            "SELECT count(*), pg_backend_pid() FROM pg_locks WHERE pid = pg_backend_pid() "
+            f"AND {_pg_lease_locks(keys)}").one()
         if found[0]:
             raise pooler_error(
                 self._engine, f"a client connection that took no writer lease found {found[0]} "

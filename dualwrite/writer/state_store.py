@@ -167,14 +167,20 @@ def _wait_bound(timeout_s: float | None) -> float | None:
     return max(MIN_WAIT_S, bound - min(0.3, bound / 10))
 
 
+def _mysql_lock_wait_s(timeout_s: float) -> int:
+    """MariaDB's innodb_lock_wait_timeout for ``timeout_s``: whole seconds, rounded down so
+    that the server answers a held lock before the client's guard gives the connection up
+    (bounded_wait), at least 1."""
+    return max(1, math.floor(timeout_s))
+
+
 def _mysql_wait_options(timeout_s: float | None) -> str:
     """MariaDB: ``SET STATEMENT`` options bounding one statement's wait for row locks
-    (innodb_lock_wait_timeout, whole seconds, rounded down so that the server answers a held
-    lock before the client's guard gives the connection up) and its run (max_statement_time, a
-    little longer), or ``""``."""
+    (:func:`_mysql_lock_wait_s`) and its run (max_statement_time, a little longer), or
+    ``""``."""
     if timeout_s is None:
         return ""
-    lock_s = max(1, math.floor(timeout_s))
+    lock_s = _mysql_lock_wait_s(timeout_s)
     return (f"SET STATEMENT innodb_lock_wait_timeout={lock_s}, "
             f"max_statement_time={lock_s * 1.1 + 0.5:.3f} FOR ")
 
@@ -187,7 +193,7 @@ def _mysql_session_lock_wait(conn: Connection, timeout_s: float | None) -> Itera
         yield
         return
     conn.exec_driver_sql("SET @dualwrite_lock_wait = @@SESSION.innodb_lock_wait_timeout, "
-                         f"SESSION innodb_lock_wait_timeout = {max(1, math.floor(timeout_s))}")
+                         f"SESSION innodb_lock_wait_timeout = {_mysql_lock_wait_s(timeout_s)}")
     try:
         yield
     finally:
