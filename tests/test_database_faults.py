@@ -33,6 +33,7 @@ from dualwrite.writer import StateStore
 from tests import test_recipe
 from tests._db_helpers import pg_ctl, private_postgres
 from tests._kafka_helpers import unique
+from tests._tcp_proxy import TcpProxy, contains
 from tests.test_recipe import (
     assert_invariant,
     backend_pid,
@@ -391,6 +392,51 @@ def test_postgres_restarted_in_the_middle_of_a_run(
             b"after-1", b"after-2", b"before-1", b"before-2"]
     finally:
         engine.dispose()
+
+
+def test_a_commit_lost_in_a_crash_restart_is_read_from_the_state_row(
+        make_writer: Any, private_pg: LocalPostgres, bootstrap: str, topic: str) -> None:
+    """The COMMIT never reaches the server, which then restarts after a crash (``-m
+    immediate``): the restarted server may give the transaction's id to another transaction, so
+    the writer reads the outcome from the state row; it shows the version the transaction
+    locked, so the writer aborts the Kafka side and the application may retry. Before the row
+    was read, this was an OutcomeUnknownError (the fault suite, CI at bd5b9c1)."""
+    dualwrite.upgrade_database(private_pg.url)
+    direct = sa.make_url(private_pg.url)
+    assert private_pg.data_dir is not None
+    log = str(private_pg.data_dir / "postgres.log")
+    with TcpProxy(int(direct.port or 0)) as proxy:
+        through = direct.set(port=proxy.port).render_as_string(hide_password=False)
+        engine = dualwrite.create_engine(through, connect_args={"connect_timeout": 2})
+        try:
+            with engine.begin() as conn:
+                conn.exec_driver_sql("CREATE TABLE app_rows (value VARCHAR(100) PRIMARY KEY)")
+            writer = make_writer(engine, unique("fault-crash-commit"), timeout_s=20)
+            write(writer, topic, ["before"])
+            held = proxy.hold_next_request(contains(b"COMMIT"))
+
+            def crash_restart_once_held() -> None:
+                assert held.wait(30)
+                # The lock's WAL reaches the disk: the restarted server does not hand the
+                # transaction's id out again, and txid_status says "aborted" (not believed).
+                with psycopg.connect(_plain(private_pg.url), autocommit=True) as other:
+                    other.execute("CHECKPOINT")
+                pg_ctl(private_pg, "stop", "-m", "immediate", "-w")
+                proxy.cut()
+                pg_ctl(private_pg, "start", "-w", "-l", log)
+
+            restarter = threading.Thread(target=crash_restart_once_held, daemon=True)
+            restarter.start()
+            with pytest.raises(DatabaseUnreachableError) as failed:
+                write(writer, topic, ["lost"])
+            restarter.join(60)
+            assert held.is_set() and not restarter.is_alive()
+            _typed(failed, DatabaseUnreachableError)
+            write(writer, topic, ["after"])
+            writer.close()
+            assert assert_invariant(engine, bootstrap, topic) == [b"after", b"before"]
+        finally:
+            engine.dispose()
 
 
 # -- SQLite: the database locked by another connection past the busy timeout ------------------

@@ -663,3 +663,28 @@ def test_commit_status_trusts_a_transaction_id_only_on_the_server_that_ran_it(
     assert store.commit_status(elsewhere, "state-1") is None
     assert store.commit_status(dataclasses.replace(rolled_back, locked_on="another server"),
                                "state-2") is None
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_commit_status_after_a_crash_restart_reads_the_row(engine: sa.Engine,
+                                                           store: StateStore) -> None:
+    """A crash restart keeps the WAL timeline and replays the WAL in full: a row version the
+    transaction did not write, with the generation it locked, means it did not commit (the
+    fault suite's immediate restarts met it as an OutcomeUnknownError). After a promotion (a
+    new timeline) or a claim since, that says nothing."""
+    with engine.connect() as conn:
+        conn.begin()
+        store.lock_row(conn, "cr-1")
+        store.write_and_commit(conn, "cr-1", "state-1")
+        conn.begin()
+        lost = store.lock_row(conn, "cr-1")
+        store.write(conn, "cr-1", "state-2")
+        conn.rollback()
+    assert lost.locked_on is not None
+    timeline, _, _started = lost.locked_on.partition("/")
+    restarted = dataclasses.replace(lost, locked_on=f"{timeline}/2000-01-01 00:00:00+00")
+    promoted = dataclasses.replace(lost, locked_on=f"{int(timeline, 16) + 1:08X}/{_started}")
+    assert store.commit_status(restarted, "state-2") == "aborted"
+    assert store.commit_status(promoted, "state-2") is None
+    store.claim(["cr-1"])
+    assert store.commit_status(restarted, "state-2") is None

@@ -83,6 +83,15 @@ MYSQL_SERVER_IDENTITY = (
 _MYSQL_NEXT_VERSION = "GREATEST(UTC_TIMESTAMP(6), updated_at + INTERVAL 1 MICROSECOND)"
 
 
+def _same_history(now: str, then: str | None) -> bool:
+    """Whether two :data:`SERVER_IDENTITY` readings of primaries share one WAL timeline: the
+    same server, or one restarted after a crash (no promotion in between: that starts a new
+    timeline)."""
+    if then is None or _IN_RECOVERY in (now, then):
+        return False
+    return now.partition("/")[0] == then.partition("/")[0]
+
+
 def _same_mysql_server(now: str, then: str | None) -> bool:
     """Whether two :data:`MYSQL_SERVER_IDENTITY` readings name one server incarnation."""
     if then is None:
@@ -622,9 +631,11 @@ class StateStore:
         restart) may have given that id to another transaction, so its verdict is not taken:
         the state row decides instead. Its row version was written by this transaction (its
         ``xmin`` is this transaction's id) and holds ``state`` only if this transaction
-        committed there; anything else is None (it may not have committed, or committed and
-        was overwritten since), except an id a primary has not reached yet, which no
-        transaction of its history has had.
+        committed there. Any other version is ``"aborted"`` after a crash restart (the same WAL
+        timeline: the WAL is replayed in full) as long as the fencing generation is the locked
+        one (nobody claimed the id, so nobody wrote the row since); otherwise None (after a
+        promotion, or a claim since, it may have committed and been overwritten), except an id
+        a primary has not reached yet, which no transaction of its history has had.
         """
         if is_mysql(self.engine):
             return self._mysql_commit_status(locked, state)
@@ -638,7 +649,8 @@ class StateStore:
                 trusted = locked.locked_on is None or server == locked.locked_on
                 if not trusted:
                     found = conn.execute(
-                        sa.select(t.c.prepared_txn_state, sa.literal_column("xmin::text"))
+                        sa.select(t.c.prepared_txn_state, sa.literal_column("xmin::text"),
+                                  t.c.fencing_generation)
                         .where(t.c.transactional_id == locked.transactional_id)).one_or_none()
                     # xmin is the 32-bit transaction id; txid_current() adds an epoch above it.
                     if (found is not None and found[0] == state
@@ -647,6 +659,12 @@ class StateStore:
                     if server == _IN_RECOVERY:
                         # A standby may lag: that it lacks the transaction says nothing.
                         return None
+                    if (found is not None and _same_history(server, locked.locked_on)
+                            and int(found[2]) == locked.fencing_generation):
+                        # A crash restart: the WAL is replayed in full, and no one claimed the
+                        # id since; a row version not written by this transaction is the one
+                        # it locked, so it did not commit.
+                        return "aborted"
                 status: str | None = conn.execute(
                     sa.text("SELECT txid_status(:xid)"), {"xid": xid}).scalar_one()
         except sa.exc.SQLAlchemyError as exc:
