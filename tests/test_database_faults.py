@@ -13,6 +13,8 @@ drives one fault against a real PostgreSQL or SQLite database and checks
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import sqlite3
 import threading
 import time
@@ -394,6 +396,46 @@ def test_postgres_restarted_in_the_middle_of_a_run(
         engine.dispose()
 
 
+@contextlib.contextmanager
+def _through_a_proxy(pg: LocalPostgres) -> Iterator[tuple[TcpProxy, sa.Engine]]:
+    """An engine on ``pg`` (dualwrite's tables and app_rows) whose connections pass a proxy."""
+    dualwrite.upgrade_database(pg.url)
+    direct = sa.make_url(pg.url)
+    with TcpProxy(int(direct.port or 0)) as proxy:
+        through = direct.set(port=proxy.port).render_as_string(hide_password=False)
+        engine = dualwrite.create_engine(through, connect_args={"connect_timeout": 2})
+        try:
+            with engine.begin() as conn:
+                conn.exec_driver_sql("CREATE TABLE app_rows (value VARCHAR(100) PRIMARY KEY)")
+            yield proxy, engine
+        finally:
+            engine.dispose()
+
+
+def _commit_lost_then_retried(writer: DualWriter, proxy: TcpProxy, engine: sa.Engine,
+                              bootstrap: str, topic: str, fault: Callable[[], None]) -> None:
+    """The writer's COMMIT is held at the proxy while ``fault`` runs (it ends by cutting the
+    proxy's connections): the writer must answer "not committed" (DatabaseUnreachableError,
+    retriable), carry on, and keep rows == records."""
+    write(writer, topic, ["before"])
+    held = proxy.hold_next_request(contains(b"COMMIT"))
+
+    def once_held() -> None:
+        assert held.wait(30)
+        fault()
+
+    faulting = threading.Thread(target=once_held, daemon=True)
+    faulting.start()
+    with pytest.raises(DatabaseUnreachableError) as failed:
+        write(writer, topic, ["lost"])
+    faulting.join(60)
+    assert held.is_set() and not faulting.is_alive()
+    _typed(failed, DatabaseUnreachableError)
+    write(writer, topic, ["after"])
+    writer.close()
+    assert assert_invariant(engine, bootstrap, topic) == [b"after", b"before"]
+
+
 def test_a_commit_lost_in_a_crash_restart_is_read_from_the_state_row(
         make_writer: Any, private_pg: LocalPostgres, bootstrap: str, topic: str) -> None:
     """The COMMIT never reaches the server, which then restarts after a crash (``-m
@@ -401,42 +443,54 @@ def test_a_commit_lost_in_a_crash_restart_is_read_from_the_state_row(
     the writer reads the outcome from the state row; it shows the version the transaction
     locked, so the writer aborts the Kafka side and the application may retry. Before the row
     was read, this was an OutcomeUnknownError (the fault suite, CI at bd5b9c1)."""
-    dualwrite.upgrade_database(private_pg.url)
-    direct = sa.make_url(private_pg.url)
     assert private_pg.data_dir is not None
     log = str(private_pg.data_dir / "postgres.log")
-    with TcpProxy(int(direct.port or 0)) as proxy:
-        through = direct.set(port=proxy.port).render_as_string(hide_password=False)
-        engine = dualwrite.create_engine(through, connect_args={"connect_timeout": 2})
-        try:
-            with engine.begin() as conn:
-                conn.exec_driver_sql("CREATE TABLE app_rows (value VARCHAR(100) PRIMARY KEY)")
-            writer = make_writer(engine, unique("fault-crash-commit"), timeout_s=20)
-            write(writer, topic, ["before"])
-            held = proxy.hold_next_request(contains(b"COMMIT"))
+    with _through_a_proxy(private_pg) as (proxy, engine):
+        def crash_restart() -> None:
+            # The lock's WAL reaches the disk: the restarted server does not hand the
+            # transaction's id out again, and txid_status says "aborted" (not believed).
+            with psycopg.connect(_plain(private_pg.url), autocommit=True) as other:
+                other.execute("CHECKPOINT")
+            pg_ctl(private_pg, "stop", "-m", "immediate", "-w")
+            proxy.cut()
+            pg_ctl(private_pg, "start", "-w", "-l", log)
 
-            def crash_restart_once_held() -> None:
-                assert held.wait(30)
-                # The lock's WAL reaches the disk: the restarted server does not hand the
-                # transaction's id out again, and txid_status says "aborted" (not believed).
-                with psycopg.connect(_plain(private_pg.url), autocommit=True) as other:
-                    other.execute("CHECKPOINT")
-                pg_ctl(private_pg, "stop", "-m", "immediate", "-w")
-                proxy.cut()
-                pg_ctl(private_pg, "start", "-w", "-l", log)
+        writer = make_writer(engine, unique("fault-crash-commit"), timeout_s=20)
+        _commit_lost_then_retried(writer, proxy, engine, bootstrap, topic, crash_restart)
 
-            restarter = threading.Thread(target=crash_restart_once_held, daemon=True)
-            restarter.start()
-            with pytest.raises(DatabaseUnreachableError) as failed:
-                write(writer, topic, ["lost"])
-            restarter.join(60)
-            assert held.is_set() and not restarter.is_alive()
-            _typed(failed, DatabaseUnreachableError)
-            write(writer, topic, ["after"])
-            writer.close()
-            assert assert_invariant(engine, bootstrap, topic) == [b"after", b"before"]
-        finally:
-            engine.dispose()
+
+def test_a_commit_lost_in_a_backend_crash_is_not_answered_by_a_reused_id(
+        make_writer: Any, bootstrap: str, topic: str) -> None:
+    """A backend's crash (here another session's SIGKILL, as the OOM killer would) makes the
+    postmaster end every session and replay the WAL without restarting: its start time stays.
+    The writer's COMMIT never reached the server, and its lock's WAL was not written yet (the
+    WAL writer sleeps 10 s here), so the server hands the transaction's id out again; another
+    transaction with that id commits. Asked by id, the server says "committed", and the writer
+    committed a Kafka record without its row until the server identity read the statistics'
+    reset time, which the reinitialization changes. The state row decides instead."""
+    with (private_postgres(synchronous_commit="on", wal_writer_delay="10s") as pg,
+          _through_a_proxy(pg) as (proxy, engine)):
+        spare = psycopg.connect(_plain(pg.url), autocommit=True)
+        last = int(spare.execute("SELECT txid_current()").fetchone()[0])  # type: ignore[index]
+        reused: list[int] = []
+
+        def backend_crash_then_ids_reused() -> None:
+            os.kill(spare.info.backend_pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not reused:
+                with contextlib.suppress(psycopg.OperationalError), \
+                        psycopg.connect(_plain(pg.url), autocommit=True) as other:
+                    while not reused or reused[-1] <= last + 50:
+                        reused.append(int(other.execute(  # type: ignore[index]
+                            "SELECT txid_current()").fetchone()[0]))
+                time.sleep(0.2)
+            proxy.cut()
+
+        writer = make_writer(engine, unique("fault-backend-crash"), timeout_s=20)
+        _commit_lost_then_retried(writer, proxy, engine, bootstrap, topic,
+                                  backend_crash_then_ids_reused)
+        assert reused and reused[0] <= last + 5, (
+            f"the server did not hand out the lost ids again: {reused[:3]} after {last}")
 
 
 # -- SQLite: the database locked by another connection past the busy timeout ------------------

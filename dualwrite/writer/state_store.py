@@ -57,16 +57,21 @@ _SUPPORTED_DIALECTS = ("postgresql", "sqlite", "mysql", "mariadb")
 
 _IN_RECOVERY = "in recovery"
 #: PostgreSQL: which server process, and which history of the data, runs this statement: the
-#: postmaster's start time (another server, a promoted standby, a restart after a crash, which
-#: replays WAL and may hand out again transaction ids whose WAL was lost) and the WAL timeline (a
-#: promotion starts a new one). A transaction id means the same transaction only while this
-#: stays the same. A standby in recovery has none (it runs no writes). (The system identifier
-#: would add nothing: a standby shares it, another server has another start time; and reading
-#: it costs a read of pg_control on every lock.)
+#: WAL timeline (a promotion starts a new one), the postmaster's start time (another server, a
+#: promoted standby, a restart after a crash, which replays WAL and may hand out again
+#: transaction ids whose WAL was lost) and the shared statistics' reset time, which a crash of
+#: one backend (the OOM killer's SIGKILL) changes: the postmaster then reinitializes and replays
+#: WAL without restarting, and it is readable by any role, unlike the checkpointer's pid (an
+#: administrator's ``pg_stat_reset_shared('bgwriter')`` changes it too, which only makes the
+#: state row decide). A transaction id means the same transaction only while this stays the
+#: same. A standby in recovery has none (it runs no writes). (The system identifier would add
+#: nothing: a standby shares it, another server has another start time; and reading it costs a
+#: read of pg_control on every lock.)
 SERVER_IDENTITY = (
     f"CASE WHEN pg_is_in_recovery() THEN '{_IN_RECOVERY}' ELSE "
     "substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) || '/' || "
-    "pg_postmaster_start_time()::text END")
+    "pg_postmaster_start_time()::text || '/' || "
+    "coalesce(pg_stat_get_bgwriter_stat_reset_time()::text, '') END")
 
 
 #: MariaDB: which server incarnation runs this statement: host, port and start time (seconds
