@@ -636,9 +636,10 @@ class StateStore:
         restart) may have given that id to another transaction, so its verdict is not taken:
         the state row decides instead. Its row version was written by this transaction (its
         ``xmin`` is this transaction's id) and holds ``state`` only if this transaction
-        committed there. Any other version is ``"aborted"`` after a crash restart (the same WAL
-        timeline: the WAL is replayed in full) as long as the fencing generation is the locked
-        one (nobody claimed the id, so nobody wrote the row since); otherwise None (after a
+        committed there. Any other version, holding another state, is ``"aborted"`` after a
+        crash restart (the same WAL timeline: the WAL is replayed in full) as long as the
+        fencing generation is the locked one (nobody claimed the id, so nobody wrote the row
+        since); otherwise None (after a
         promotion, or a claim since, it may have committed and been overwritten), except an id
         a primary has not reached yet, which no transaction of its history has had.
         """
@@ -665,10 +666,13 @@ class StateStore:
                         # A standby may lag: that it lacks the transaction says nothing.
                         return None
                     if (found is not None and _same_history(server, locked.locked_on)
-                            and int(found[2]) == locked.fencing_generation):
+                            and int(found[2]) == locked.fencing_generation
+                            and found[0] != state):
                         # A crash restart: the WAL is replayed in full, and no one claimed the
                         # id since; a row version not written by this transaction is the one
-                        # it locked, so it did not commit.
+                        # it locked, so it did not commit. (This state in another version: a
+                        # server fed by logical replication shares a timeline number, but not
+                        # the transaction ids; then the row cannot tell.)
                         return "aborted"
                 status: str | None = conn.execute(
                     sa.text("SELECT txid_status(:xid)"), {"xid": xid}).scalar_one()
