@@ -635,6 +635,19 @@ def test_a_transaction_id_the_server_never_logged_did_not_commit(engine: sa.Engi
     assert store.transaction_status(current + 1_000_000) == "aborted"
 
 
+def _committed_then_pending(conn: sa.Connection, store: StateStore, tid: str, committed: str,
+                            pending: str) -> tuple[StateRow, StateRow]:
+    """On ``conn``: one transaction stores ``committed``, then a second locks the row and writes
+    ``pending``, left open for the caller; the rows each lock returned."""
+    conn.begin()
+    first = store.lock_row(conn, tid)
+    store.write_and_commit(conn, tid, committed)
+    conn.begin()
+    second = store.lock_row(conn, tid)
+    store.write(conn, tid, pending)
+    return first, second
+
+
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
 def test_commit_status_trusts_a_transaction_id_only_on_the_server_that_ran_it(
         engine: sa.Engine, store: StateStore) -> None:
@@ -643,12 +656,7 @@ def test_commit_status_trusts_a_transaction_id_only_on_the_server_that_ran_it(
     transaction wrote counts as committed, and anything else is unknown, even a "committed" of
     whatever transaction has that id there."""
     with engine.connect() as conn:
-        conn.begin()
-        mine = store.lock_row(conn, "cs-1")
-        store.write_and_commit(conn, "cs-1", "state-1")
-        conn.begin()
-        rolled_back = store.lock_row(conn, "cs-1")
-        store.write(conn, "cs-1", "state-2")
+        mine, rolled_back = _committed_then_pending(conn, store, "cs-1", "state-1", "state-2")
         conn.rollback()
         server = conn.exec_driver_sql(f"SELECT {SERVER_IDENTITY}").scalar_one()
     assert mine.locked_on == server and mine.locked_by_xid is not None
@@ -673,12 +681,7 @@ def test_commit_status_after_a_crash_restart_reads_the_row(engine: sa.Engine,
     fault suite's immediate restarts met it as an OutcomeUnknownError). After a promotion (a
     new timeline) or a claim since, that says nothing."""
     with engine.connect() as conn:
-        conn.begin()
-        store.lock_row(conn, "cr-1")
-        store.write_and_commit(conn, "cr-1", "state-1")
-        conn.begin()
-        lost = store.lock_row(conn, "cr-1")
-        store.write(conn, "cr-1", "state-2")
+        _, lost = _committed_then_pending(conn, store, "cr-1", "state-1", "state-2")
         conn.rollback()
     assert lost.locked_on is not None
     timeline, _, _started = lost.locked_on.partition("/")
@@ -691,3 +694,21 @@ def test_commit_status_after_a_crash_restart_reads_the_row(engine: sa.Engine,
     assert store.commit_status(restarted, "state-1") is None
     store.claim(["cr-1"])
     assert store.commit_status(restarted, "state-2") is None
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_commit_status_waits_for_a_running_transaction_after_a_statistics_reset(
+        engine: sa.Engine, store: StateStore) -> None:
+    """An administrator's ``pg_stat_reset_shared('bgwriter')`` changes the server identity
+    under a transaction whose COMMIT is still running: the row does not show it yet, and reading
+    that as "aborted" would abort Kafka records whose rows then commit. Asked by id on the same
+    timeline, it is "in progress" until it ends."""
+    with engine.connect() as conn:
+        _, running = _committed_then_pending(conn, store, "sr-1", "state-0", "state-1")
+        with engine.begin() as admin:
+            admin.exec_driver_sql("SELECT pg_stat_reset_shared('bgwriter')")
+            assert admin.exec_driver_sql(f"SELECT {SERVER_IDENTITY}").scalar_one() \
+                != running.locked_on
+        assert store.commit_status(running, "state-1") == "in progress"
+        conn.commit()
+    assert store.commit_status(running, "state-1") == "committed"

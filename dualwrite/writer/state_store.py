@@ -636,12 +636,13 @@ class StateStore:
         restart) may have given that id to another transaction, so its verdict is not taken:
         the state row decides instead. Its row version was written by this transaction (its
         ``xmin`` is this transaction's id) and holds ``state`` only if this transaction
-        committed there. Any other version, holding another state, is ``"aborted"`` after a
-        crash restart (the same WAL timeline: the WAL is replayed in full) as long as the
-        fencing generation is the locked one (nobody claimed the id, so nobody wrote the row
-        since); otherwise None (after a
-        promotion, or a claim since, it may have committed and been overwritten), except an id
-        a primary has not reached yet, which no transaction of its history has had.
+        committed there. On the same WAL timeline (a crash restart, which replays the WAL in
+        full, or a statistics reset) the id is still asked whether it is running
+        (``"in progress"``: wait); once it is not, any other version, holding another state,
+        is ``"aborted"`` as long as the fencing generation is the locked one (nobody claimed
+        the id, so nobody wrote the row since). Otherwise None (after a promotion, or a claim
+        since, it may have committed and been overwritten), except an id a primary has not
+        reached yet, which no transaction of its history has had.
         """
         if is_mysql(self.engine):
             return self._mysql_commit_status(locked, state)
@@ -649,6 +650,7 @@ class StateStore:
         if xid is None:
             raise ValueError("commit_status needs a row locked on PostgreSQL (lock_row)")
         t = self.table
+        found: Any = None
         try:
             with transaction(self.engine, read_only=True) as conn:
                 server = conn.exec_driver_sql(f"SELECT {SERVER_IDENTITY}").scalar_one()
@@ -665,28 +667,33 @@ class StateStore:
                     if server == _IN_RECOVERY:
                         # A standby may lag: that it lacks the transaction says nothing.
                         return None
-                    if (found is not None and _same_history(server, locked.locked_on)
-                            and int(found[2]) == locked.fencing_generation
-                            and found[0] != state):
-                        # A crash restart: the WAL is replayed in full, and no one claimed the
-                        # id since; a row version not written by this transaction is the one
-                        # it locked, so it did not commit. (This state in another version: a
-                        # server fed by logical replication shares a timeline number, but not
-                        # the transaction ids; then the row cannot tell.)
-                        return "aborted"
                 status: str | None = conn.execute(
                     sa.text("SELECT txid_status(:xid)"), {"xid": xid}).scalar_one()
         except sa.exc.SQLAlchemyError as exc:
             if not _in_the_future(exc):
                 raise database_error(exc, self.engine.url, table=self.table.name) from exc
             return "aborted"  # see transaction_status
-        if not trusted:
-            logger.warning("transaction %d of transactional id %r ran on server %s, now %s "
-                           "answers: its outcome there is not this transaction's, and the state "
-                           "row does not show it", xid, locked.transactional_id,
-                           locked.locked_on, server)
-            return None
-        return status
+        if trusted:
+            return status
+        if _same_history(server, locked.locked_on):
+            if status == "in progress":
+                # The transaction itself, if an administrator's statistics reset changed the
+                # identity under it, or one that has its id again after a crash: ask again once
+                # it has ended, and the row decides.
+                return status
+            if (found is not None and int(found[2]) == locked.fencing_generation
+                    and found[0] != state):
+                # A crash restart: the WAL is replayed in full, and no one claimed the id since;
+                # a row version not written by this transaction is the one it locked, so it did
+                # not commit. (This state in another version: a server fed by logical
+                # replication shares a timeline number, but not the transaction ids; then the
+                # row cannot tell.)
+                return "aborted"
+        logger.warning("transaction %d of transactional id %r ran on server %s, now %s "
+                       "answers: its outcome there is not this transaction's, and the state "
+                       "row does not show it", xid, locked.transactional_id,
+                       locked.locked_on, server)
+        return None
 
     def _mysql_commit_status(self, locked: StateRow, state: str) -> str | None:
         """:meth:`commit_status` on MariaDB, which has no transaction status to ask: the
