@@ -12,7 +12,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -712,3 +713,93 @@ def test_commit_status_waits_for_a_running_transaction_after_a_statistics_reset(
         assert store.commit_status(running, "state-1") == "in progress"
         conn.commit()
     assert store.commit_status(running, "state-1") == "committed"
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_commit_status_of_an_id_another_server_has_not_reached_reads_the_row(
+        engine: sa.Engine, store: StateStore) -> None:
+    """A server other than the lock's that has not reached the transaction's id (a logical
+    replica after a blue-green switch hands out ids of its own) says nothing about it: there
+    "in the future" is not "aborted", the row decides. Only the server that handed the id out
+    says "aborted" when it has not reached it."""
+    with engine.connect() as conn:
+        mine, _ = _committed_then_pending(conn, store, "fu-1", "state-1", "state-2")
+        conn.rollback()
+    with engine.begin() as conn:
+        current = int(conn.execute(sa.text("SELECT txid_current()")).scalar_one())
+    assert mine.locked_by_xid is not None and mine.locked_on is not None
+    # The same 32-bit xmin an epoch later: the row version this transaction wrote.
+    ahead = dataclasses.replace(mine, locked_on="another server",
+                                locked_by_xid=mine.locked_by_xid + 2**32)
+    assert store.commit_status(ahead, "state-1") == "committed"
+    assert store.commit_status(ahead, "state-other") is None
+    # The row holds the state, in a version another transaction wrote (replication's apply).
+    far = dataclasses.replace(mine, locked_on="another server", locked_by_xid=current + 10**6)
+    assert store.commit_status(far, "state-1") is None
+    assert store.commit_status(far, "state-other") is None
+    # A logical replica's timeline number may match: the same-history rules still hold.
+    timeline = mine.locked_on.partition("/")[0]
+    replica = dataclasses.replace(far, locked_on=f"{timeline}/2000-01-01 00:00:00+00")
+    assert store.commit_status(replica, "state-1") is None
+    assert store.commit_status(replica, "state-other") == "aborted"
+    assert store.commit_status(dataclasses.replace(far, locked_on=mine.locked_on),
+                               "state-1") == "aborted"
+
+
+@contextmanager
+def _commit_after_first(engine: sa.Engine, conn: sa.Connection,
+                        *markers: str) -> Iterator[list[str]]:
+    """Commit ``conn``'s open transaction right after the first statement run on ``engine``
+    that contains one of ``markers``; yields the statements it followed (one, once it ran)."""
+    after: list[str] = []
+
+    def commit(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if not after and any(marker in statement for marker in markers):
+            after.append(statement)
+            conn.commit()
+
+    sa.event.listen(engine, "after_cursor_execute", commit)
+    try:
+        yield after
+    finally:
+        sa.event.remove(engine, "after_cursor_execute", commit)
+
+
+def _identity_reset(row: StateRow) -> StateRow:
+    """``row`` as if the server's statistics had been reset since it was locked (the
+    :data:`SERVER_IDENTITY` changes, the server and its transaction ids stay)."""
+    assert row.locked_on is not None
+    kept = row.locked_on.rpartition("/")[0]
+    return dataclasses.replace(row, locked_on=f"{kept}/2000-01-01 00:00:00+00")
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_commit_status_asks_the_id_before_reading_the_row(engine: sa.Engine,
+                                                          store: StateStore) -> None:
+    """The id is asked first, then the row read: a COMMIT still running at the first question
+    and ended before the second shows in the row. Read the other way round, the row still
+    showed the version it locked, txid_status then said it had ended, and it was judged
+    "aborted"."""
+    with engine.connect() as conn:
+        _, running = _committed_then_pending(conn, store, "ro-1", "state-0", "state-1")
+        with _commit_after_first(engine, conn, "txid_status", "xmin") as after:
+            assert store.commit_status(_identity_reset(running), "state-1") == "committed"
+        assert after
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_commit_status_reads_the_row_in_a_snapshot_where_the_transaction_has_ended(
+        engine: sa.Engine, store: StateStore) -> None:
+    """Under REPEATABLE READ the row is read in the snapshot of the question's first
+    statement, which a COMMIT ending just after it does not show, though txid_status then says
+    it has ended (as in the instant between txid_status's "committed" and the end of the
+    transaction under READ COMMITTED). Then the answer is "in progress", and asked again,
+    "committed"."""
+    repeatable = StateStore(engine.execution_options(isolation_level="REPEATABLE READ"))
+    with engine.connect() as conn:
+        _, running = _committed_then_pending(conn, store, "rr-1", "state-0", "state-1")
+        reset = _identity_reset(running)
+        with _commit_after_first(engine, conn, "pg_is_in_recovery()") as after:
+            assert repeatable.commit_status(reset, "state-1") == "in progress"
+        assert after
+    assert repeatable.commit_status(reset, "state-1") == "committed"

@@ -631,18 +631,19 @@ class StateStore:
         ``state`` (:meth:`write_and_commit`), after its COMMIT got no answer: ``"committed"``,
         ``"aborted"``, ``"in progress"``, or None when it cannot be known.
 
-        Asked by transaction id (:meth:`transaction_status`) of the server that locked the row.
-        Another server (:attr:`StateRow.locked_on` differs: a failover to a standby, a crash
-        restart) may have given that id to another transaction, so its verdict is not taken:
-        the state row decides instead. Its row version was written by this transaction (its
-        ``xmin`` is this transaction's id) and holds ``state`` only if this transaction
-        committed there. On the same WAL timeline (a crash restart, which replays the WAL in
-        full, or a statistics reset) the id is still asked whether it is running
-        (``"in progress"``: wait); once it is not, any other version, holding another state,
-        is ``"aborted"`` as long as the fencing generation is the locked one (nobody claimed
-        the id, so nobody wrote the row since). Otherwise None (after a promotion, or a claim
-        since, it may have committed and been overwritten), except an id a primary has not
-        reached yet, which no transaction of its history has had.
+        The id is asked first (``txid_status``, as :meth:`transaction_status`), then the row
+        read, so that a COMMIT ending in between shows in the row. The server that locked the
+        row (:attr:`StateRow.locked_on`) is taken at its word; an id it has not reached yet was
+        never handed out there: ``"aborted"``. Another server (a failover to a standby, a crash
+        restart, a logical replica) may have given that id to another transaction, or not
+        reached it, so its verdict is not taken: the state row decides instead. Its row version
+        was written by this transaction (its ``xmin`` is this transaction's id) and holds
+        ``state`` only if this transaction committed there. On the same WAL timeline (a crash
+        restart, which replays the WAL in full, or a statistics reset) an id still running is
+        ``"in progress"`` (wait); once it has ended, and in the row's snapshot too, any other
+        version, holding another state, is ``"aborted"`` as long as the fencing generation is
+        the locked one (nobody claimed the id, so nobody wrote the row since). Otherwise None
+        (after a promotion, or a claim since, it may have committed and been overwritten).
         """
         if is_mysql(self.engine):
             return self._mysql_commit_status(locked, state)
@@ -650,31 +651,45 @@ class StateStore:
         if xid is None:
             raise ValueError("commit_status needs a row locked on PostgreSQL (lock_row)")
         t = self.table
-        found: Any = None
+        status: str | None = None
+        future = False
         try:
             with transaction(self.engine, read_only=True) as conn:
                 server = conn.exec_driver_sql(f"SELECT {SERVER_IDENTITY}").scalar_one()
-                trusted = locked.locked_on is None or server == locked.locked_on
-                if not trusted:
-                    found = conn.execute(
-                        sa.select(t.c.prepared_txn_state, sa.literal_column("xmin::text"),
-                                  t.c.fencing_generation)
-                        .where(t.c.transactional_id == locked.transactional_id)).one_or_none()
-                    # xmin is the 32-bit transaction id; txid_current() adds an epoch above it.
-                    if (found is not None and found[0] == state
-                            and int(found[1]) == xid % 2**32):
-                        return "committed"
-                    if server == _IN_RECOVERY:
-                        # A standby may lag: that it lacks the transaction says nothing.
-                        return None
-                status: str | None = conn.execute(
-                    sa.text("SELECT txid_status(:xid)"), {"xid": xid}).scalar_one()
+                same = server == locked.locked_on
+                trusted = same or locked.locked_on is None
+                if trusted or server != _IN_RECOVERY:  # a standby may lag: only its row counts
+                    try:
+                        with conn.begin_nested():  # "in the future" must not end the transaction
+                            status = conn.execute(sa.text("SELECT txid_status(:xid)"),
+                                                  {"xid": xid}).scalar_one()
+                    except sa.exc.SQLAlchemyError as exc:
+                        if not _in_the_future(exc):
+                            raise
+                        future = True
+                if trusted and not future:
+                    return status
+                if same:
+                    # The id came from this very server, whose ids only grow: one it has not
+                    # reached was never handed out here, so no transaction here had it.
+                    return "aborted"
+                # Read after the id's answer, with whether the transaction had ended in the
+                # snapshot the row is read in (the statement's, or under REPEATABLE READ the
+                # transaction's first; txid_status may say "committed" an instant before).
+                found: Any = conn.execute(
+                    sa.select(t.c.prepared_txn_state, sa.literal_column("xmin::text"),
+                              t.c.fencing_generation,
+                              sa.func.txid_visible_in_snapshot(
+                                  sa.bindparam("xid", xid, type_=sa.BigInteger),
+                                  sa.func.txid_current_snapshot()))
+                    .where(t.c.transactional_id == locked.transactional_id)).one_or_none()
         except sa.exc.SQLAlchemyError as exc:
-            if not _in_the_future(exc):
-                raise database_error(exc, self.engine.url, table=self.table.name) from exc
-            return "aborted"  # see transaction_status
-        if trusted:
-            return status
+            raise database_error(exc, self.engine.url, table=self.table.name) from exc
+        # xmin is the 32-bit transaction id; txid_current() adds an epoch above it.
+        if found is not None and found[0] == state and int(found[1]) == xid % 2**32:
+            return "committed"
+        if server == _IN_RECOVERY:
+            return None  # a standby may lag: that it lacks the transaction says nothing
         if _same_history(server, locked.locked_on):
             if status == "in progress":
                 # The transaction itself, if an administrator's statistics reset changed the
@@ -683,11 +698,13 @@ class StateStore:
                 return status
             if (found is not None and int(found[2]) == locked.fencing_generation
                     and found[0] != state):
-                # A crash restart: the WAL is replayed in full, and no one claimed the id since;
-                # a row version not written by this transaction is the one it locked, so it did
-                # not commit. (This state in another version: a server fed by logical
-                # replication shares a timeline number, but not the transaction ids; then the
-                # row cannot tell.)
+                if not future and not found[3]:
+                    return "in progress"  # running in the row's snapshot: read it again
+                # A crash restart: the WAL is replayed in full (an id not reached was never
+                # logged), and no one claimed the id since; a row version not written by this
+                # transaction is the one it locked, so it did not commit. (This state in
+                # another version: a server fed by logical replication shares a timeline
+                # number, but not the transaction ids; then the row cannot tell.)
                 return "aborted"
         logger.warning("transaction %d of transactional id %r ran on server %s, now %s "
                        "answers: its outcome there is not this transaction's, and the state "
