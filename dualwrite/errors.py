@@ -18,6 +18,7 @@ from dataclasses import dataclass
 __all__ = [
     "BatchHeuristicAbortError",
     "BatchInDoubtError",
+    "BlockCommittedError",
     "BrokerUnreachableError",
     "ConfigurationError",
     "DatabaseUnreachableError",
@@ -215,6 +216,25 @@ class HeuristicAbortError(HeuristicOutcomeError):
         self.transactional_id = transactional_id
         self.state = state
         self.detail = detail
+
+
+class BlockCommittedError(HeuristicAbortError):
+    """A statement of a ``writer.transaction()`` block ended the database transaction itself
+    (one dualwrite could not tell from its text, e.g. a stored procedure that commits): the rows
+    written before it may be committed while the transaction's records were aborted.
+
+    The block's later statements were refused and its records never committed; handed to
+    ``on_heuristic_abort`` (if given) like any heuristic abort, and raised either way.
+    """
+
+    def __init__(self, transactional_id: str, detail: str, *, certain: bool = True) -> None:
+        super().__init__(transactional_id, "", detail)
+        self.args = (
+            f"transactional id {transactional_id!r}: {detail}; the rows the block wrote before "
+            f"that statement {'are' if certain else 'may be'} committed without their records "
+            "(Kafka aborted them). "
+            "Re-publish them from the database, or undo them; a block must leave ending its "
+            "transaction to dualwrite.",)
 
 
 class BatchHeuristicAbortError(HeuristicOutcomeError):

@@ -28,6 +28,7 @@ from dualwrite.errors import (
     OutcomeUnknownError,
     OutcomeUnreadableError,
     ProducerFencedError,
+    RecordTooLargeError,
     RecoverableError,
     RetriableError,
     TransactionStateError,
@@ -355,6 +356,27 @@ class TwoPhaseProducer:
                 producer.poll(0)  # serve delivery reports now and then, not per record
         except (KafkaException, SystemError, TypeError, ValueError) as exc:
             raise self._refused(exc, topic, value, key) from exc
+
+    def check_record(self, topic: str, value: object = None, key: object = None, *,
+                     partition: object = None) -> None:
+        """Raise what :meth:`produce` would for a record librdkafka refuses by itself (its topic,
+        the types of its key, value and partition, its size), without sending it: for a group
+        commit, which sends a request's records only once they all pass."""
+        if not isinstance(topic, str) or topic not in self._known_topics:
+            self._check_topic(topic)
+        for what, data in (("key", key), ("value", value)):
+            if data is not None and not isinstance(data, (bytes, str)):
+                raise self._refused(TypeError(f"the {what} is a {type(data).__name__}"), topic,
+                                    value, key)
+        if partition is not None and (not isinstance(partition, int) or partition < 0):
+            raise self._refused(TypeError(f"partition {partition!r}"), topic, value, key)
+        limit = int(self._config.get("message.max.bytes", 1_000_000))
+        size = _size(key) + _size(value)
+        if size > limit:
+            raise RecordTooLargeError(
+                topic, f"produce to {topic!r}: the record's key and value are {size} bytes, more "
+                f"than the client's message.max.bytes={limit}", size=size,
+                limit=f"message.max.bytes={limit}")
 
     def _check_topic(self, topic: str) -> None:
         """Ask for ``topic``'s metadata on its first use by this producer (one round trip, then

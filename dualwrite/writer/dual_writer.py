@@ -30,8 +30,10 @@ from sqlalchemy import Connection, Engine
 
 from dualwrite import metrics
 from dualwrite.database import bounded_wait, create_engine, database_error, is_mysql
+from dualwrite.database.driver_state import DriverTransaction
 from dualwrite.deadline import MARGIN_S, Deadline, current_deadline, deadline_scope
 from dualwrite.errors import (
+    BlockCommittedError,
     ConfigurationError,
     DatabaseUnreachableError,
     DualWriteError,
@@ -176,6 +178,12 @@ class DualWriteTransaction:
         """The records produced so far, in order."""
         return tuple(self._records)
 
+    def check(self, records: Sequence[_Record]) -> None:
+        """Raise what :meth:`produce` would raise for the first of ``records`` that the client
+        refuses by itself, sending none of them (a group's request, before its records join)."""
+        for topic, value, key, partition, _ in records:
+            self._producer.check_record(topic, value, key, partition=partition)
+
     def bound(self) -> tuple[GuardedConnection | None, TwoPhaseProducer]:
         """The connection (None until the deferred lock is taken) and the producer the
         transaction uses now, without taking the lock: what the DualWriter ends it with."""
@@ -317,6 +325,8 @@ class DualWriter:
         self._take_over = take_over
         self._started = False
         """Whether this writer's first session started (the lease check is done)."""
+        self._closed = False
+        """Set by :meth:`close`: the writer refuses to be used again."""
         self._budget_left = timeout_s
         """What is left of the running transaction's deadline while its block runs."""
 
@@ -327,6 +337,8 @@ class DualWriter:
     @property
     def producer(self) -> TwoPhaseProducer:
         if self._producer is None:
+            if self._closed:
+                raise self._closed_error()
             if not self._started:
                 self._check_lease_at_start()
             # Claim the id (its state row, committed) before the session can act on Kafka: it
@@ -375,27 +387,44 @@ class DualWriter:
                     "first until the lease is free", self._tid)
 
     def close(self) -> None:
-        """Stop; after a clean run the state row is cleared so the next start needs no check."""
+        """Stop; after a clean run the state row is cleared so the next start needs no check.
+
+        The lease is given back, so a new writer of the id starts at once. Idempotent; the
+        writer is not used again (:class:`TransactionStateError`).
+        """
+        if self._closed:
+            return
+        self._closed = True
         with deadline_scope(self._timeout_s):
             self._close()
 
     def _close(self) -> None:
+        """Each step also when one before it failed: the lease must not outlive close()."""
+
+        def release_lease() -> None:  # a file lock; PostgreSQL's went with the connection
+            lease, self._lease = self._lease, None
+            if lease is not None:
+                lease.release()
+
         producer, self._producer = self._producer, None
-        if producer is not None:
-            last = producer.last_committed
-            if last is not None and not last.is_empty and not producer.has_open_transaction:
-                try:
-                    self._store.compare_and_set(self._tid, str(last), "")
-                except DualWriteError as exc:  # the next start checks the anchor instead
-                    log.info("could not clear the state of transactional_id=%s: %s", self._tid,
-                             exc)
-            producer.close()
-        self._lease_verdict()  # a check still running uses the connection
-        self._drop_connection()
-        if self._lease is not None:
-            self._lease.release()
-            self._lease = None
-        self._helper.shutdown(wait=False)
+        with contextlib.ExitStack() as steps:  # the callbacks run last to first
+            steps.callback(self._helper.shutdown, wait=False)
+            steps.callback(release_lease)
+            steps.callback(self._drop_connection)
+            steps.callback(self._lease_verdict)  # a check still running uses the connection
+            if producer is not None:
+                steps.callback(producer.close)
+                last = producer.last_committed
+                if last is not None and not last.is_empty and not producer.has_open_transaction:
+                    try:
+                        self._store.compare_and_set(self._tid, str(last), "")
+                    except DualWriteError as exc:  # the next start checks the anchor instead
+                        log.info("could not clear the state of transactional_id=%s: %s",
+                                 self._tid, exc)
+
+    def _closed_error(self) -> TransactionStateError:
+        return TransactionStateError(f"transactional_id={self._tid}: the writer is closed; "
+                                     "make a new DualWriter")
 
     def __enter__(self) -> DualWriter:
         return self
@@ -537,8 +566,11 @@ class DualWriter:
         unchanged (see the class docstring). A block that ends ``tx.connection``'s transaction
         itself is refused and abandoned (:class:`TransactionStateError`, see
         :mod:`dualwrite.writer.handle`); so is a second ``transaction()`` while one is open, in
-        this thread (nested) or another, at once rather than after waiting for the lock.
+        this thread (nested) or another, at once rather than after waiting for the lock; and
+        so is any after :meth:`close`, before anything is opened.
         """
+        if self._closed:
+            raise self._closed_error()
         if not self._busy.acquire(blocking=False):
             where = ("nested in the open one" if self._busy_thread is threading.current_thread()
                      else f"while thread {getattr(self._busy_thread, 'name', '?')} has one open")
@@ -608,6 +640,7 @@ class DualWriter:
                 raise TransactionStateError(
                     f"transactional_id={self._tid}: the block misused tx.connection and was "
                     f"abandoned; nothing of it committed ({tx.misuse})") from tx.misuse
+            self._refuse_failed_block(tx)
             with self._resumed_deadline():
                 conn = tx.lock()  # takes the deferred lock if the block did not
                 _, producer = tx.bound()
@@ -625,12 +658,16 @@ class DualWriter:
         except BaseException as exc:
             tx.end()  # (a hook may fail before the block ran)
             held, producer = tx.bound()
+            left = held is not None and held.left_transaction
             with self._resumed_deadline():
                 if tx.misuse is not None:
                     self._discard_connection()
                 elif held is not None:
                     self._rollback(held)
                 self._abort_quietly(producer)
+                committed = self._what_the_block_committed() if left else None
+            if committed is not None:
+                raise committed from exc
             lost = self._database_lost(exc)
             if lost is not None:
                 self._drop_connection()
@@ -661,6 +698,49 @@ class DualWriter:
                 yield deadline
             finally:
                 self._budget_left = deadline.left()
+
+    def _refuse_failed_block(self, tx: DualWriteTransaction) -> None:
+        """A statement of the block failed and the block went on (it caught the error): on
+        PostgreSQL the transaction is aborted already, and its COMMIT would roll back."""
+        held, _ = tx.bound()
+        if held is not None and held.driver_transaction() is DriverTransaction.FAILED:
+            raise TransactionStateError(
+                f"transactional_id={self._tid}: a statement of the block failed and the block "
+                "went on (the database rolls such a transaction back); nothing of it committed. "
+                "Use a savepoint (begin_nested()) around a statement that may fail")
+
+    def _what_the_block_committed(self) -> BlockCommittedError | None:
+        """A statement of the block ended the database transaction (the driver said so): None if
+        the database rolled it back; otherwise the heuristic outcome, handed to the hook.
+
+        On PostgreSQL the transaction's id tells; elsewhere it cannot be known, and a possible
+        commit is reported as one (never silent)."""
+        locked = self._locked
+        xid = locked.locked_by_xid if locked is not None else None
+        status: str | None = ""
+        if xid is not None:
+            try:
+                status = self._store.transaction_status(xid)
+            except DualWriteError as exc:
+                status = f"unknown ({exc})"
+            if status == "aborted":
+                return None
+            detail = (f"a statement of the block ended the database transaction ({status})"
+                      if status != "committed"
+                      else "a statement of the block committed the database transaction")
+        else:
+            detail = ("a statement of the block ended the database transaction, and this "
+                      "database cannot tell whether it committed")
+        heuristic = BlockCommittedError(self._tid, detail, certain=status == "committed")
+        log.error("heuristic outcome: %s", heuristic)
+        metrics.heuristic_outcome(self._role, heuristic)
+        if self._hook is not None:
+            try:
+                with self._engine.begin() as conn:
+                    self._hook(heuristic, conn)
+            except Exception as exc:
+                log.error("transactional_id=%s: the re-publish hook failed: %s", self._tid, exc)
+        return heuristic
 
     def _flush(self, tx: DualWriteTransaction, producer: TwoPhaseProducer) -> PreparedTxnState:
         """Flush; if no record is acknowledged for half the timeout (a leader election, a
@@ -952,7 +1032,9 @@ class DualWriter:
         conn = self._conn
         if conn is not None:
             conn.reclaim()
-            with contextlib.suppress(sa.exc.SQLAlchemyError):
+            # (PyMySQL raises its own error closing a connection the invalidation closed.)
+            driver_error = self._engine.dialect.loaded_dbapi.Error
+            with contextlib.suppress(sa.exc.SQLAlchemyError, driver_error):
                 raw = conn.connection.dbapi_connection
                 conn.invalidate()  # closes a pooled driver connection, only forgets a detached one
                 if raw is not None:

@@ -49,6 +49,7 @@ from dualwrite.database import (
     try_file_lock,
     unreachable_error,
 )
+from dualwrite.database.driver_state import DriverTransaction
 from dualwrite.errors import (
     DatabaseUnreachableError,
     DualWriteError,
@@ -56,6 +57,7 @@ from dualwrite.errors import (
     LockTimeoutError,
     RetriableError,
     TransactionConflictError,
+    TransactionStateError,
 )
 from dualwrite.participant.prepared_state import PreparedTxnState
 from dualwrite.participant.producer import Headers
@@ -65,6 +67,7 @@ from dualwrite.writer.dual_writer import (
     HeuristicHook,
     PhaseHooks,
 )
+from dualwrite.writer.handle import GuardedConnection
 from dualwrite.writer.state_store import StateStore
 
 if TYPE_CHECKING:  # importing it at run time needs greenlet, which dualwrite does not
@@ -290,6 +293,9 @@ class _Request:
         """Called (in the writer's thread) after ``turn`` or ``done`` is set."""
         self.handle: GroupedTransaction | DualWriteTransaction | None = None
         self.body_error: BaseException | None = None
+        self.own_error: BaseException | None = None
+        """Why the request failed alone although its block ended normally (its group went
+        on): a refused statement it caught, a failed one it went on after, a refused record."""
         self.error: BaseException | None = None
         self.abandoned = False
         self.taken = False
@@ -320,8 +326,14 @@ _STOP = object()
 
 _KEPT_SAVEPOINTS = 32
 """How many grouped requests' savepoints a group keeps unreleased at most: PostgreSQL caches 64
-subtransactions per session (past that every snapshot of the server gets slower), and SQLAlchemy
-ends a chain of open savepoints recursively (a RecursionError at about 1,000)."""
+subtransactions per session (past that every snapshot of the server gets slower)."""
+
+
+def _failed_statement_error() -> TransactionStateError:
+    return TransactionStateError(
+        "a statement of the request failed and its block went on (PostgreSQL rolls such a "
+        "transaction back); nothing of the request committed. Use a savepoint "
+        "(begin_nested()) around a statement that may fail")
 
 
 class _Once:
@@ -726,7 +738,7 @@ class DualWriterPool:
             with writer.transaction() as tx:
                 group.append(first)
                 self._run_first(tx, first)
-                conn = tx.connection  # (the lock, if the first request did not take it)
+                conn = tx.lock()  # (the lock, if the first request did not take it)
                 nxt: _Request | None = None
                 while True:
                     while len(group) < self._max_group:
@@ -743,7 +755,8 @@ class DualWriterPool:
                     if nxt is None:
                         break
                     group.append(nxt)
-                    self._run_member(conn, tx, nxt, keep=len(group) <= _KEPT_SAVEPOINTS)
+                    self._run_member(conn, tx, nxt, number=len(group),
+                                     keep=len(group) <= _KEPT_SAVEPOINTS)
                     nxt = None
                 collected()
         except BaseException as exc:
@@ -757,9 +770,10 @@ class DualWriterPool:
             group.append(first)  # the transaction failed before its turn
         state = tx.state if tx is not None and error is None else None
         for req in group:
+            failed = error if error is not None else req.own_error
             if req.handle is not None:
-                req.handle.state = state
-            req.error = error
+                req.handle.state = state if failed is None else None
+            req.error = failed
             req.signal(req.turn)
             req.signal(req.done)
         if stop:
@@ -769,43 +783,69 @@ class DualWriterPool:
         """The group's first request runs on the writer's own handle, as a lone transaction
         would: its records leave at once (while its rows are written, the lock taken late) and,
         with nothing else in the transaction yet, a failure of its block ends the transaction
-        (both sides rolled back), so it needs no savepoint. Requests join after it."""
+        (both sides rolled back), so it needs no savepoint. Requests join after it, unless it
+        misused the connection or went on after a failed statement (then the transaction
+        fails before anyone joins)."""
         req.handle = tx
         req.signal(req.turn)
         while (item := req.work.get()) is not None:
             item()
         if req.body_error is not None:
             raise req.body_error
+        held, _ = tx.bound()
+        if held is not None and held.misused is not None:
+            raise held.misused
+        if held is not None and held.driver_transaction() is DriverTransaction.FAILED:
+            raise _failed_statement_error()
 
-    def _run_member(self, conn: Connection, tx: DualWriteTransaction, req: _Request, *,
-                    keep: bool = True) -> None:
-        """Run one request's block (in its own thread) inside a savepoint; produce its records
-        into the group's transaction if it succeeded, roll it back alone if it raised.
-        ``keep``: leave the savepoint unreleased if it succeeded (see below)."""
-        try:
-            savepoint = conn.begin_nested()
-        except sa.exc.SQLAlchemyError as exc:
-            raise database_error(exc, self._engine.url) from exc
+    def _run_member(self, conn: GuardedConnection, tx: DualWriteTransaction, req: _Request, *,
+                    number: int, keep: bool = True) -> None:
+        """Run one request's block (in its own thread) inside a savepoint of its own; produce
+        its records into the group's transaction if it succeeded, roll it back alone if it
+        failed: its exception, a refused statement (the connection's guard), a failed
+        statement it went on after, or a record the client would refuse (checked before any
+        is sent). ``keep``: leave the savepoint unreleased if it succeeded (see below).
+
+        The savepoint is the writer's own statement, not SQLAlchemy's ``begin_nested()``, so
+        that nothing the request does to SQLAlchemy's bookkeeping can stop the writer from
+        rolling it back. Only a misuse that cost the whole transaction fails the group."""
+        savepoint = f"dualwrite_request_{number}"
+        self._own_statement(conn, f"SAVEPOINT {savepoint}")
         req.handle = GroupedTransaction(conn)
+        conn.lend_savepoint()
         req.signal(req.turn)
-        while (item := req.work.get()) is not None:
-            item()
-        body_error = req.body_error
-        # A savepoint that succeeded is not released: its work commits with the group (the
-        # COMMIT ends every savepoint, SQLAlchemy's bookkeeping included), and a RELEASE would
-        # be one more round trip in series per request. The next request's savepoint nests in
-        # it, so rolling that one back still undoes that request alone. Past _KEPT_SAVEPOINTS
-        # levels they are released again (see there).
         try:
-            if body_error is not None:
-                savepoint.rollback()
-            elif not keep:
-                savepoint.commit()
-        except sa.exc.SQLAlchemyError as exc:
-            raise database_error(exc, self._engine.url) from exc
-        if body_error is None:
-            for topic, value, key, partition, headers in req.handle.records():
+            while (item := req.work.get()) is not None:
+                item()
+        finally:
+            misuse = conn.end_savepoint_loan()
+        if misuse is not None and conn.whole_transaction_lost:
+            raise misuse
+        body_error = req.body_error
+        failure: BaseException | None = body_error or misuse
+        if failure is None and conn.driver_transaction() is DriverTransaction.FAILED:
+            failure = _failed_statement_error()
+        records = req.handle.records()
+        if failure is None:
+            try:
+                tx.check(records)
+            except DualWriteError as refused:
+                failure = refused
+        # A savepoint that succeeded is not released: its work commits with the group (the
+        # COMMIT ends every savepoint), and a RELEASE would be one more round trip in series
+        # per request. The next request's savepoint nests in it, so rolling that one back
+        # still undoes that request alone. Past _KEPT_SAVEPOINTS levels they are released
+        # again: PostgreSQL caches 64 subtransactions per session.
+        if failure is not None:
+            self._own_statement(conn, f"ROLLBACK TO SAVEPOINT {savepoint}")
+        if failure is not None or not keep:
+            self._own_statement(conn, f"RELEASE SAVEPOINT {savepoint}")
+        if failure is None:
+            for topic, value, key, partition, headers in records:
                 tx.produce(topic, value, key, partition=partition, headers=headers)
+            return
+        if failure is not body_error:
+            req.own_error = failure  # the block ended normally: the request fails all the same
             return
         if isinstance(body_error, sa.exc.DBAPIError):
             typed = database_error(body_error, self._engine.url)
@@ -813,6 +853,15 @@ class DualWriterPool:
                 raise typed from body_error  # the group's connection is gone: all fail
         if not isinstance(body_error, Exception):
             raise body_error  # an interrupt: stop the group too
+
+    def _own_statement(self, conn: GuardedConnection, statement: str) -> None:
+        """One of the writer's own statements on the lent connection (a request's
+        savepoint)."""
+        try:
+            with conn.own_use():
+                conn.exec_driver_sql(statement)
+        except sa.exc.SQLAlchemyError as exc:
+            raise database_error(exc, self._engine.url) from exc
 
     # -- upkeep and closing -----------------------------------------------------------------
 
@@ -902,7 +951,12 @@ def sync_engine_for(engine: AsyncEngine | Engine | str | sa.URL) -> Engine:
 class AsyncConnection:
     """The async face of a request's connection: each call runs the sync SQLAlchemy call in the
     writer's thread (which holds the connection) and awaits its result there, so no database
-    wait blocks the event loop. Results come back buffered."""
+    wait blocks the event loop. Results come back buffered.
+
+    A call cancelled (``asyncio.wait_for``, ``asyncio.timeout``) before the writer's thread
+    started it never runs; one cancelled after it reached the database spoils the request: it
+    is rolled back and ends with :class:`~dualwrite.errors.TransactionStateError` (see
+    :meth:`AsyncDualWriterPool.transaction`)."""
 
     def __init__(self, run: Callable[[Callable[[Connection], Any]], Any]) -> None:
         self._run = run
@@ -930,13 +984,32 @@ def _buffered(result: sa.CursorResult[Any]) -> Any:
 
 class AsyncTransaction(_RecordBuffer):
     """The handle of ``AsyncDualWriterPool.transaction()``: ``await tx.connection.execute(...)``
-    and ``tx.produce(...)`` (kept, and produced once the block ended without an exception)."""
+    and ``tx.produce(...)`` (kept, and produced once the block ended without an exception).
 
-    def __init__(self, run: Callable[[Callable[[Connection], Any]], Any]) -> None:
+    ``state`` and ``decided`` tell the request's outcome, also to a caller that was cancelled
+    while it waited for its group's commit (its block had ended, so its work was part of the
+    group already: the group goes on without waiting for it; see
+    :meth:`AsyncDualWriterPool.transaction`).
+    """
+
+    def __init__(self, run: Callable[[Callable[[Connection], Any]], Any],
+                 outcome: Callable[[], tuple[bool, PreparedTxnState | None]] | None = None
+                 ) -> None:
         super().__init__()
         self.connection = AsyncConnection(run)
-        self.state: PreparedTxnState | None = None
-        """The prepared state of the transaction, once it committed."""
+        self._outcome = outcome
+
+    @property
+    def decided(self) -> bool:
+        """Whether the request's outcome is final: committed (``state`` set), or failed or
+        rolled back (``state`` None)."""
+        return self._outcome is not None and self._outcome()[0]
+
+    @property
+    def state(self) -> PreparedTxnState | None:
+        """The prepared state of the transaction once the request's rows and records committed
+        with it; None while undecided, or if they did not commit."""
+        return None if self._outcome is None else self._outcome()[1]
 
 
 
@@ -1009,79 +1082,218 @@ class AsyncDualWriterPool:
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncTransaction]:
-        """One request, atomic on both sides (see :class:`DualWriterPool`)."""
+        """One request, atomic on both sides (see :class:`DualWriterPool`).
+
+        However the request ends, the writer goes on with the rest of its group and keeps no
+        lock, Kafka transaction or turn for it. A cancellation (a client disconnect,
+        ``asyncio.timeout``, a TaskGroup's shutdown) reaches the caller at once, as its own
+        ``CancelledError``, without waiting for the writer:
+
+        - while it waits for its turn: it leaves the queue; a writer that took it already rolls
+          it back alone.
+        - while its block runs (or another interrupt, ``GeneratorExit`` of an abandoned
+          block): the writer rolls back its work alone — its savepoint, or the transaction of
+          a group's first request, on both sides — without the caller waiting for it.
+        - one of its statements (``asyncio.wait_for(tx.connection.execute(...), t)``): a
+          statement the writer had not started never runs, and the block may go on; one that
+          had reached the database (running, or ran but its result not delivered) spoils the
+          request: every later ``tx.connection`` call raises
+          :class:`~dualwrite.errors.TransactionStateError`, and at the block's end the request
+          is rolled back and raises ``TransactionStateError``, even if the block caught the
+          timeout and went on. Nothing of it commits.
+        - while it waits for its group's commit (its block ended): its work is part of the
+          group already, which goes on and decides it; ``tx.decided`` and ``tx.state`` (the
+          prepared state once committed) tell the outcome to a caller that kept ``tx``.
+        """
         await self.start()
         pool = self.pool
-        loop = asyncio.get_running_loop()
-        changed = asyncio.Event()
-
-        def wake() -> None:
-            loop.call_soon_threadsafe(changed.set)
-
-        req = _Request(on_change=wake)
-
-        async def in_writer(fn: Callable[[], Any]) -> Any:
-            future: asyncio.Future[Any] = loop.create_future()
-
-            def item() -> None:  # in the writer's thread
-                try:
-                    value = fn()
-                except BaseException as exc:
-                    loop.call_soon_threadsafe(_settle, future, None, exc)
-                else:
-                    loop.call_soon_threadsafe(_settle, future, value, None)
-
-            req.work.put(item)
-            return await future
+        ar = _AsyncRequest(asyncio.get_running_loop())
+        req = ar.req
 
         async def run(fn: Callable[[Connection], Any]) -> Any:
             handle = req.handle
             assert handle is not None
-            return await in_writer(lambda: fn(handle.connection))
+            return await ar.in_writer(lambda: fn(handle.connection))
 
-        tx = AsyncTransaction(run)
+        tx = AsyncTransaction(run, ar.outcome)
         with pool.admitted():
             pool.hand_over(req, self._executor)
-            while not req.turn.is_set():
-                try:
-                    await asyncio.wait_for(changed.wait(), pool.acquire_timeout_s)
-                except TimeoutError:
-                    if req.abandon():
-                        raise RetriableError(
-                            f"writer pool {pool.id_prefix}: no writer took the request within "
-                            f"{pool.acquire_timeout_s:g} s") from None
-                changed.clear()
+            try:
+                await ar.wait_turn(pool)
+            except BaseException:  # cancelled, or no writer took it in time
+                ar.withdraw("its caller stopped waiting for its turn")
+                raise
             handle = req.handle
             if handle is None:  # the transaction failed before this request's turn
                 assert req.error is not None
                 raise req.error
             try:
                 yield tx
-            except BaseException as exc:
-                req.body_error = exc
-                req.work.put(None)
-                await _until(req.done, changed)
+            except Exception as exc:
+                # A spoiled request's exception is most likely this pool's own refusal (a
+                # TransactionStateError, which would cost the writer): the writer is told only
+                # to roll the request back.
+                ar.end_block(exc if ar.spoiled is None else _RequestWithdrawn(ar.spoiled))
+                await ar.until_done()
                 if isinstance(req.error, DatabaseUnreachableError) \
                         and req.error.__cause__ is exc:
                     raise req.error from exc  # its own statement lost the database
                 raise
+            except BaseException:  # cancelled in its block: never the writer's interrupt
+                ar.withdraw("its caller was cancelled in its block")
+                raise
+            if ar.spoiled is not None:
+                ar.end_block(_RequestWithdrawn(ar.spoiled))
+                await ar.until_done()
+                raise TransactionStateError(ar.spoiled)
+
             def produce_all() -> None:  # the writer's handle may take its lock here
                 for topic, value, key, partition, headers in tx.records():
                     handle.produce(topic, value, key, partition=partition, headers=headers)
 
             try:
                 if tx.records():
-                    await in_writer(produce_all)
-            except BaseException as exc:
-                req.body_error = exc
-                req.work.put(None)
-                await _until(req.done, changed)
+                    await ar.in_writer(produce_all)
+            except Exception as exc:
+                ar.end_block(exc)
+                await ar.until_done()
                 raise
-            req.work.put(None)
-            await _until(req.done, changed)
-        tx.state = handle.state
+            except BaseException:
+                ar.withdraw("its caller was cancelled while its records were handed over")
+                raise
+            ar.end_block(None)
+            await ar.until_done()  # cancelled here: the group decides it (tx.state)
         if req.error is not None:
             raise req.error
+
+
+class _RequestWithdrawn(Exception):
+    """What the writer's thread is handed as a request's ``body_error`` when the request's
+    caller withdrew it (cancelled, or a statement of it cancelled after it reached the
+    database). An ordinary exception, so that the writer rolls back that request alone (its
+    savepoint, or the transaction of a group's first request) and goes on with a writer it
+    keeps: a ``CancelledError`` there would stop the whole group and replace the writer
+    (:func:`breaks_writer`). The caller raises its own exception, never this one."""
+
+
+class _Call:
+    """One call of an async request's block on its way to the writer's thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state: Literal["pending", "running", "withdrawn"] = "pending"
+
+    def start(self) -> bool:
+        """The writer's thread is about to run it; False if its caller withdrew it first."""
+        with self._lock:
+            if self._state == "withdrawn":
+                return False
+            self._state = "running"
+            return True
+
+    def withdraw(self) -> bool:
+        """Its caller gives up on it; False if it started already (it reached the database)."""
+        with self._lock:
+            if self._state == "running":
+                return False
+            self._state = "withdrawn"
+            return True
+
+
+class _AsyncRequest:
+    """The event loop's side of one request of :meth:`AsyncDualWriterPool.transaction`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.changed = asyncio.Event()
+        self.req = _Request(on_change=lambda: _post(loop, self.changed.set))
+        self.spoiled: str | None = None
+        """Why the request can no longer commit: a statement of it was cancelled after it
+        reached the database."""
+        self.ended = False
+        """The block's end was handed to the writer (``None`` in ``req.work``)."""
+
+    def end_block(self, body_error: BaseException | None) -> None:
+        """Hand the block's end to the writer (at once, without an await: a second
+        cancellation cannot leave the writer waiting); ``body_error``: it failed, roll it
+        back."""
+        if not self.ended:
+            self.ended = True
+            self.req.body_error = body_error
+            self.req.work.put(None)
+
+    def withdraw(self, why: str) -> None:
+        """The caller gives the request up: out of the queue if no writer took it yet, else
+        rolled back alone by the writer. Returns at once."""
+        if not self.req.abandon():
+            self.end_block(_RequestWithdrawn(why))
+
+    async def wait_turn(self, pool: DualWriterPool) -> None:
+        """Until a writer runs the request's block; RetriableError (the request abandoned) if
+        none took it within ``acquire_timeout_s``."""
+        try:
+            async with asyncio.timeout(pool.acquire_timeout_s):
+                await _until(self.req.turn, self.changed)
+            return
+        except TimeoutError:
+            if self.req.abandon():
+                raise RetriableError(
+                    f"writer pool {pool.id_prefix}: no writer took the request within "
+                    f"{pool.acquire_timeout_s:g} s") from None
+        await _until(self.req.turn, self.changed)  # taken meanwhile: its turn comes
+
+    async def until_done(self) -> None:
+        await _until(self.req.done, self.changed)
+
+    async def in_writer(self, fn: Callable[[], _T]) -> _T:
+        """``fn()`` in the writer's thread. Cancelled before the writer started it: it never
+        runs; after: the request is spoiled (:meth:`AsyncDualWriterPool.transaction`)."""
+        if self.ended:
+            raise TransactionStateError("tx.connection refused: the request's block has ended")
+        if self.spoiled is not None:
+            raise TransactionStateError(f"tx.connection refused: {self.spoiled}")
+        loop = self.loop
+        future: asyncio.Future[_T] = loop.create_future()
+        call = _Call()
+
+        def item() -> None:  # in the writer's thread
+            if not call.start():
+                return  # withdrawn before it started: it never runs, as its caller saw
+            try:
+                value = fn()
+            except BaseException as exc:
+                _post(loop, _settle, future, None, exc)
+            else:
+                _post(loop, _settle, future, value, None)
+
+        self.req.work.put(item)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if not call.withdraw() and self.spoiled is None:
+                self.spoiled = (
+                    "a statement of this request was cancelled after it had reached the "
+                    "database (it ran, or was running, while its caller saw a cancellation or "
+                    "timeout); the request is rolled back: nothing of it commits")
+            raise
+
+    def outcome(self) -> tuple[bool, PreparedTxnState | None]:
+        """(whether the request's outcome is final, the prepared state if it committed)."""
+        req = self.req
+        if req.abandoned or req.body_error is not None:
+            return True, None  # never ran, or rolled back
+        if not req.done.is_set():
+            return False, None
+        if req.error is not None or req.handle is None:
+            return True, None
+        return True, req.handle.state
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: Any) -> None:
+    """``fn(*args)`` in the event loop's thread, from a writer's; nothing if the loop is closed
+    (the request's coroutine is gone: nobody waits for it)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
 
 
 def _settle(future: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
