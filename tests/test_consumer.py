@@ -42,7 +42,10 @@ class Setup:
 
     def produce_inputs(self, ids: Sequence[str], pause_every: int = 0,
                        pause_s: float = 0.05) -> None:
-        producer = Producer({"bootstrap.servers": self.bootstrap, "linger.ms": 5})
+        # Idempotent: a broker killed after it appended a batch but before it answered would
+        # otherwise get the batch again from librdkafka's retry (inputs twice in the topic).
+        producer = Producer({"bootstrap.servers": self.bootstrap, "linger.ms": 5,
+                             "enable.idempotence": True})
         for i, value in enumerate(ids):
             producer.produce(self.input, value=value, key=value)
             if pause_every and i % pause_every == pause_every - 1:

@@ -287,7 +287,7 @@ def test_a_misuse_that_costs_the_transaction_fails_the_group_and_tells_no_one_su
 
 # -- the property: any dressing of a control statement, lone and grouped --------------------------
 
-_SETTINGS = settings(max_examples=15, deadline=None,
+_SETTINGS = settings(max_examples=10, deadline=None,
                      suppress_health_check=[HealthCheck.function_scoped_fixture])
 _CONTROL = st.sampled_from(["ends", "savepoint"]).flatmap(
     lambda kind: _dressed("postgresql", dualwrite.database.statements.Effect.ENDS
