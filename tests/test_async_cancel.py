@@ -27,6 +27,7 @@ import dualwrite
 from dualwrite import AsyncDualWriterPool, TransactionStateError
 from dualwrite.participant import PreparedTxnState
 from dualwrite.writer import PhaseHooks
+from tests import test_pool
 from tests._kafka_helpers import read_committed, unique
 
 pytestmark = pytest.mark.timeout(240)
@@ -45,15 +46,7 @@ def backend() -> str:
     return "postgresql"
 
 
-@pytest.fixture
-def db_url(empty_db_url: str) -> str:
-    """An empty database with dualwrite's tables and the application table ``pool_rows``."""
-    dualwrite.upgrade_database(empty_db_url)
-    engine = dualwrite.create_engine(empty_db_url)
-    with engine.begin() as conn:
-        conn.exec_driver_sql("CREATE TABLE pool_rows (value VARCHAR(100) PRIMARY KEY)")
-    engine.dispose()
-    return empty_db_url
+db_url = test_pool.db_url
 
 
 @pytest.fixture
