@@ -30,7 +30,6 @@ from sqlalchemy import Connection, Engine
 
 from dualwrite import metrics
 from dualwrite.database import bounded_wait, create_engine, database_error, is_mysql
-from dualwrite.database.driver_state import DriverTransaction
 from dualwrite.deadline import MARGIN_S, Deadline, current_deadline, deadline_scope
 from dualwrite.errors import (
     BlockCommittedError,
@@ -640,7 +639,10 @@ class DualWriter:
                 raise TransactionStateError(
                     f"transactional_id={self._tid}: the block misused tx.connection and was "
                     f"abandoned; nothing of it committed ({tx.misuse})") from tx.misuse
-            self._refuse_failed_block(tx)
+            held, _ = tx.bound()
+            failed = held.went_on_after_a_failure() if held is not None else None
+            if failed is not None:
+                raise failed
             with self._resumed_deadline():
                 conn = tx.lock()  # takes the deferred lock if the block did not
                 _, producer = tx.bound()
@@ -698,16 +700,6 @@ class DualWriter:
                 yield deadline
             finally:
                 self._budget_left = deadline.left()
-
-    def _refuse_failed_block(self, tx: DualWriteTransaction) -> None:
-        """A statement of the block failed and the block went on (it caught the error): on
-        PostgreSQL the transaction is aborted already, and its COMMIT would roll back."""
-        held, _ = tx.bound()
-        if held is not None and held.driver_transaction() is DriverTransaction.FAILED:
-            raise TransactionStateError(
-                f"transactional_id={self._tid}: a statement of the block failed and the block "
-                "went on (the database rolls such a transaction back); nothing of it committed. "
-                "Use a savepoint (begin_nested()) around a statement that may fail")
 
     def _what_the_block_committed(self) -> BlockCommittedError | None:
         """A statement of the block ended the database transaction (the driver said so): None if

@@ -196,6 +196,16 @@ class GuardedConnection(Connection):
             "for a savepoint); the transaction is abandoned: nothing of it commits")
         return self._misuse
 
+    def went_on_after_a_failure(self) -> TransactionStateError | None:
+        """The error for a block that caught a failed statement and went on, if it did: on
+        PostgreSQL the transaction is aborted then, and a COMMIT would roll it back."""
+        if self.driver_transaction() is not DriverTransaction.FAILED:
+            return None
+        return TransactionStateError(
+            "a statement of the block failed and the block went on (the database rolls such a "
+            "transaction back); nothing of it committed. Use a savepoint (begin_nested()) "
+            "around a statement that may fail")
+
     def _lent_to_the_block(self) -> bool:
         return self._mode is not _Mode.OWNED and threading.get_ident() not in self._own_threads
 

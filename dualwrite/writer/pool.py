@@ -49,7 +49,6 @@ from dualwrite.database import (
     try_file_lock,
     unreachable_error,
 )
-from dualwrite.database.driver_state import DriverTransaction
 from dualwrite.errors import (
     DatabaseUnreachableError,
     DualWriteError,
@@ -327,13 +326,6 @@ _STOP = object()
 _KEPT_SAVEPOINTS = 32
 """How many grouped requests' savepoints a group keeps unreleased at most: PostgreSQL caches 64
 subtransactions per session (past that every snapshot of the server gets slower)."""
-
-
-def _failed_statement_error() -> TransactionStateError:
-    return TransactionStateError(
-        "a statement of the request failed and its block went on (PostgreSQL rolls such a "
-        "transaction back); nothing of the request committed. Use a savepoint "
-        "(begin_nested()) around a statement that may fail")
 
 
 class _Once:
@@ -795,8 +787,9 @@ class DualWriterPool:
         held, _ = tx.bound()
         if held is not None and held.misused is not None:
             raise held.misused
-        if held is not None and held.driver_transaction() is DriverTransaction.FAILED:
-            raise _failed_statement_error()
+        failed = held.went_on_after_a_failure() if held is not None else None
+        if failed is not None:
+            raise failed
 
     def _run_member(self, conn: GuardedConnection, tx: DualWriteTransaction, req: _Request, *,
                     number: int, keep: bool = True) -> None:
@@ -823,8 +816,8 @@ class DualWriterPool:
             raise misuse
         body_error = req.body_error
         failure: BaseException | None = body_error or misuse
-        if failure is None and conn.driver_transaction() is DriverTransaction.FAILED:
-            failure = _failed_statement_error()
+        if failure is None:
+            failure = conn.went_on_after_a_failure()
         records = req.handle.records()
         if failure is None:
             try:
