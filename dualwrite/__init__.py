@@ -20,9 +20,11 @@ from dualwrite.recovery import (
     SinkRecoveryResult,
     SinkStatus,
     StatusReport,
+    VerifyReport,
     open_transactions,
     recover,
     status,
+    verify,
 )
 from dualwrite.writer import (
     AsyncDualWriterPool,
@@ -31,6 +33,7 @@ from dualwrite.writer import (
     DualWriterPool,
     DualWriteTransaction,
     GroupedTransaction,
+    PhaseHooks,
 )
 
 __version__ = "0.1.0"
@@ -48,6 +51,7 @@ __all__ = [
     "GroupedTransaction",
     "OpenTransaction",
     "Outcome",
+    "PhaseHooks",
     "PreparedTxnState",
     "RecoveryReport",
     "RecoveryResult",
@@ -55,6 +59,7 @@ __all__ = [
     "SinkStatus",
     "StatusReport",
     "TwoPhaseProducer",
+    "VerifyReport",
     "__version__",
     "check_schema",
     "create_engine",
@@ -62,5 +67,6 @@ __all__ = [
     "recover",
     "status",
     "upgrade_database",
+    "verify",
 ]
 __all__ += errors.__all__

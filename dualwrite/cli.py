@@ -11,6 +11,8 @@ Exit codes (stable, for scripts and operators):
 4   the Kafka cluster or the database could not be reached
 5   some transactional ids could not be resolved (recover; see the report; retry), or
     status found a transaction or batch in doubt (run recover)
+6   verify found anomalies: rows without records, records without rows, duplicate
+    records, or partitions it could not read to the end (an open transaction)
 ==  ==========================================================================
 """
 
@@ -32,7 +34,7 @@ import click
 
 from dualwrite import metrics
 from dualwrite.batch.decision_log import check_sink_id
-from dualwrite.database import create_engine, mask_url, upgrade_database
+from dualwrite.database import check_database_file, create_engine, mask_url, upgrade_database
 from dualwrite.errors import (
     BrokerUnreachableError,
     ConfigurationError,
@@ -58,6 +60,7 @@ from dualwrite.recovery import (
     recover,
     status,
 )
+from dualwrite.recovery.verify import VerifyReport, verify
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -65,6 +68,8 @@ EXIT_USAGE = 2
 EXIT_HEURISTIC = 3
 EXIT_UNREACHABLE = 4
 EXIT_UNRESOLVED = 5
+EXIT_ANOMALIES = 6
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention for Ctrl-C
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -153,7 +158,19 @@ def timeout_option(fn: F) -> F:
                         help="Seconds to wait for Kafka and the database per call.")(fn)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Main(click.Group):
+    """The command group; Ctrl-C in any command exits 130 with one line, not click's
+    "Aborted!" and 1 (`recover --watch` handles SIGINT itself and exits 0)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", count=True,
               help="More logging, librdkafka's own lines included (-vv for debug).")
 @click.version_option(package_name="dualwrite")
@@ -269,6 +286,7 @@ def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties
     5 when some ids or sinks are still unresolved. With --watch: exit 0 on SIGTERM or SIGINT.
     """
     config = _kafka_config(bootstrap_servers, kafka_properties)
+    check_database_file(db_url)
     engine = create_engine(db_url)
     ids = list(transactional_ids) or None
     sinks = list(sink_ids) or None
@@ -464,7 +482,11 @@ def status_command(db_url: str, bootstrap_servers: str | None, kafka_properties:
     outcome, 4 when Kafka or the database cannot be reached. Hanging transactions are listed,
     not counted: they may belong to live producers that dualwrite does not know.
     """
+    if prometheus and as_json:
+        _fail("--json and --prometheus exclude each other: --prometheus prints the metrics in "
+              "the Prometheus text format", EXIT_USAGE)
     config = _kafka_config(bootstrap_servers, kafka_properties)
+    check_database_file(db_url)
     if prometheus and not metrics.ENABLED:
         _fail("--prometheus needs prometheus_client: pip install 'dualwrite[metrics]'",
               EXIT_USAGE)
@@ -486,18 +508,21 @@ def status_command(db_url: str, bootstrap_servers: str | None, kafka_properties:
 
 
 def _print_status(report: StatusReport) -> None:
-    click.echo(f"{'transactional id':<32} {'condition':<20} {'broker state':<15} "
-               f"{'open for':>10}  prepared state")
-    for r in report.rows:
-        b = r.broker
-        opened = r.open_for_ms
-        condition = r.condition.value if r.condition else "?"
-        click.echo(f"{r.transactional_id:<32} {condition:<20} "
-                   f"{(b.state.value if b else 'unknown'):<15} "
-                   f"{(f'{opened / 1000:.1f}s' if opened is not None else '-'):>10}  "
-                   f"{r.state or '(none)'}")
+    rows = [(r.transactional_id, r.condition.value if r.condition else "?",
+             r.broker.state.value if r.broker else "unknown",
+             f"{r.open_for_ms / 1000:.1f}s" if r.open_for_ms is not None else "-")
+            for r in report.rows]
+    # Columns as wide as their longest cell (a long transactional id must not shift the rest).
+    w_id, w_cond, w_state, w_open = (
+        max([len(head)] + [len(row[i]) for row in rows])
+        for i, head in enumerate(("transactional id", "condition", "broker state", "open for")))
+    click.echo(f"{'transactional id':<{w_id}} {'condition':<{w_cond}} "
+               f"{'broker state':<{w_state}} {'open for':>{w_open}}  prepared state")
+    for r, (tid, condition, state, open_for) in zip(report.rows, rows, strict=True):
+        click.echo(f"{tid:<{w_id}} {condition:<{w_cond}} {state:<{w_state}} "
+                   f"{open_for:>{w_open}}  {r.state or '(none)'}")
         if r.detail and r.condition is not Condition.CLEAR:
-            click.echo(f"{'':<34}{r.detail}")
+            click.echo(f"{'':<{w_id + 2}}{r.detail}")
     counts = ", ".join(f"{k}={v}" for k, v in report.as_dict()["counts"].items())
     click.echo(f"in doubt: {len(report.in_doubt)}"
                + (f" ({counts})" if counts else "")
@@ -558,6 +583,72 @@ def force_terminate(bootstrap_servers: str | None, kafka_properties: str | None,
         if before else "unknown to the coordinator"
     click.echo(f"{transactional_id}: was {was}; now producer_id={identity.producer_id} "
                f"epoch={identity.epoch}, no open transaction")
+
+
+@main.command(name="verify")
+@db_option
+@kafka_options
+@click.option("--table", required=True, help="The table (schema.table allowed).")
+@click.option("--key", "key_column", required=True,
+              help="Its column holding each row's record key (compared as text).")
+@click.option("--topic", required=True, help="The topic of the table's records.")
+@click.option("--where", help="An SQL condition selecting the rows that have records.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(0, min_open=True), default=60.0,
+              show_default=True, help="Seconds to read the topic to its end, the wait for "
+              "transactions open at the start included.")
+@click.option("--limit-report", "limit", type=click.IntRange(0), default=10, show_default=True,
+              help="Example keys shown per anomaly.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object.")
+@_guarded
+def verify_command(db_url: str, bootstrap_servers: str | None, kafka_properties: str | None,
+                   table: str, key_column: str, topic: str, where: str | None,
+                   timeout_s: float, limit: int, as_json: bool) -> None:
+    """Check a table against its topic: each row should have exactly one record (read_committed)
+    whose key is the row's KEY column, and each record a row.
+
+    Reports rows without records (lost), records without rows (phantoms), keys with more than
+    one record (duplicates) and partitions a transaction kept open past --timeout (run
+    `dualwrite status`). The last line is the verdict, `verified: lost=0 duplicates=0 open=0`
+    when all is well. Exit 0 when it is, 6 on anomalies, 2 for a missing table, column or
+    topic, 4 when Kafka or the database cannot be reached.
+    """
+    config = _kafka_config(bootstrap_servers, kafka_properties)
+    last = [time.monotonic()]
+
+    def progress(done: int, total: int) -> None:
+        if time.monotonic() - last[0] >= 2.0:
+            last[0] = time.monotonic()
+            click.echo(f"read {done} records of {total}", err=True)
+
+    report = verify(db_url, config, table=table, key_column=key_column, topic=topic,
+                    where=where, timeout_s=timeout_s, progress=progress)
+    if as_json:
+        click.echo(json.dumps(report.as_dict(limit), indent=2))
+    else:
+        _print_verify(report, limit)
+    if not report.ok:
+        sys.exit(EXIT_ANOMALIES)
+
+
+def _print_verify(report: VerifyReport, limit: int) -> None:
+    click.echo(f"{report.rows} rows in {report.table} (key {report.key_column}), "
+               f"{report.records} records in {report.topic} (read_committed), "
+               f"{report.elapsed_s:.1f} s")
+    duplicates = tuple(f"{k} ({n}x)" for k, n in report.duplicates)
+    for label, keys in (("lost (row without record)", report.lost),
+                        ("phantoms (record without row)", report.phantoms),
+                        ("duplicates (keys with more records)", duplicates),
+                        ("rows sharing a key", report.duplicate_rows)):
+        shown = ", ".join(keys[:limit]) + (", ..." if len(keys) > limit else "")
+        click.echo(f"{label}: {len(keys)}" + (f": {shown}" if keys and limit else ""))
+    for label, parts in (("partitions kept open by a transaction", report.open_partitions),
+                         ("partitions not read to the end in time", report.unread_partitions)):
+        if parts:
+            click.echo(f"{label}: {', '.join(map(str, parts))}")
+    if report.skipped_records or report.null_key_rows:
+        click.echo(f"not compared: {report.skipped_records} records without key, "
+                   f"{report.null_key_rows} rows with a NULL key")
+    click.echo(report.summary)
 
 
 @main.group()

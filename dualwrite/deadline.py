@@ -10,7 +10,8 @@ any scope keeps its own timeout. Threads a call starts run under a copy of its c
 
 Past the deadline a wait still gets :data:`MIN_WAIT_S`, so that the cleanup after a failure
 (an abort, the question after an unanswered COMMIT) is tried and fails fast rather than not at
-all: a call returns within ``timeout_s + MARGIN_S`` (README, "Timeouts and what they trade").
+all: a call returns within ``timeout_s + MARGIN_S`` (docs/operating.md, "Timeouts and what
+they trade").
 """
 
 from __future__ import annotations

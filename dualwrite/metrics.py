@@ -7,6 +7,11 @@ registry, so an application's own ``/metrics`` shows them; ``dualwrite recover -
 
 Labels are bounded and never carry a secret: a role, an outcome, a phase, a pool's id prefix, a
 consumer's group/topic/partition; never a transactional id, a URL or a message.
+
+Only families with samples are exposed: a labelled family appears with its first series, and the
+unlabelled ones (the status gauges, the recovery daemon's pass duration and last-success time) are
+made when first set, so a scrape never shows a value nobody measured (an alert on ``time() -
+dualwrite_recovery_last_success_timestamp_seconds`` must not see a 0 before the first success).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 from dualwrite.errors import (
     ConfigurationError,
@@ -34,10 +39,12 @@ except ImportError:  # the optional extra is not installed: nothing is recorded
     Collector = object  # type: ignore[assignment,misc]
 
 __all__ = [
+    "CONTENT_TYPE",
     "ENABLED",
     "PhaseClock",
     "PoolUsage",
     "Role",
+    "consumer_fenced_batch",
     "exposition",
     "forget_consumer_lag",
     "heuristic_outcome",
@@ -53,6 +60,10 @@ __all__ = [
 
 ENABLED = prometheus_client is not None
 """Whether metrics are recorded (``prometheus_client`` is installed)."""
+
+CONTENT_TYPE: str = prometheus_client.CONTENT_TYPE_LATEST if prometheus_client is not None \
+    else "text/plain; version=0.0.4; charset=utf-8"
+"""The media type of :func:`exposition`'s text (for an application's own ``/metrics``)."""
 
 Role = Literal["writer", "pool", "sink", "consumer"]
 ROLES: tuple[str, ...] = ("writer", "pool", "sink", "consumer")
@@ -96,28 +107,54 @@ class _Metrics:
             "dualwrite_consumer_lag", "Records of a partition not yet processed by the "
             "exactly-once consumer (high watermark - decided position).",
             ["group", "topic", "partition"])
-        self.in_doubt = p.Gauge(
-            "dualwrite_in_doubt", "Transactional ids and batch sinks in doubt at the last "
-            "status check (a decision still to be carried out).")
-        self.heuristic_pending = p.Gauge(
-            "dualwrite_heuristic_unacknowledged", "Transactional ids and batch sinks with a "
-            "heuristic outcome not yet acknowledged, at the last status check.")
-        self.open_max = p.Gauge(
-            "dualwrite_active_transaction_open_time_max_seconds", "Age of the longest-open "
-            "Kafka transaction of the ids dualwrite knows and the hanging ones (KIP-939's "
-            "ActiveTransactionOpenTimeMaxMs), at the last status check.")
+        self.fenced_batches = p.Counter(
+            "dualwrite_consumer_fenced_batches", "Batches of the exactly-once consumer refused "
+            "because a rebalance moved one of their partitions away (the new owner decides "
+            "them).", ["group"])
         self.passes = p.Counter(
             "dualwrite_recovery_passes", "Passes of `dualwrite recover --watch`, by result "
             "(ok; error: a side unreachable or ids unresolved).", ["result"])
-        self.pass_seconds = p.Histogram(
-            "dualwrite_recovery_pass_seconds", "Duration of one recovery pass (recover and "
-            "status).", buckets=_SECONDS)
-        self.last_success = p.Gauge(
-            "dualwrite_recovery_last_success_timestamp_seconds", "Unix time of the last "
-            "recovery pass that succeeded.")
         self.recovered = p.Counter(
             "dualwrite_recovered_transactions", "Transactions recovery finished, by outcome "
             "(committed, aborted, already-committed, heuristic-acknowledged).", ["outcome"])
+        self._made: dict[str, Any] = {}
+
+    def _once(self, name: str, make: Callable[[], _T]) -> _T:
+        with _lock:
+            if name not in self._made:
+                self._made[name] = make()
+            return cast(_T, self._made[name])
+
+    def gauge(self, name: str) -> prometheus_client.Gauge:
+        """The unlabelled gauge ``name`` (of ``_GAUGES``), made (and exposed) on first use."""
+        p = prometheus_client
+        assert p is not None
+        return self._once(name, lambda: p.Gauge(name, _GAUGES[name]))
+
+    def pass_seconds(self) -> prometheus_client.Histogram:
+        p = prometheus_client
+        assert p is not None
+        return self._once("dualwrite_recovery_pass_seconds", lambda: p.Histogram(
+            "dualwrite_recovery_pass_seconds", "Duration of one recovery pass (recover and "
+            "status).", buckets=_SECONDS))
+
+
+_T = TypeVar("_T")
+_IN_DOUBT = "dualwrite_in_doubt"
+_HEURISTIC_PENDING = "dualwrite_heuristic_unacknowledged"
+_OPEN_MAX = "dualwrite_active_transaction_open_time_max_seconds"
+_LAST_SUCCESS = "dualwrite_recovery_last_success_timestamp_seconds"
+_GAUGES = {
+    _IN_DOUBT: "Transactional ids and batch sinks in doubt at the last status check (a "
+               "decision still to be carried out).",
+    _HEURISTIC_PENDING: "Transactional ids and batch sinks with a heuristic outcome not yet "
+                        "acknowledged, at the last status check.",
+    _OPEN_MAX: "Age of the longest-open Kafka transaction of the ids dualwrite knows and the "
+               "hanging ones (KIP-939's ActiveTransactionOpenTimeMaxMs), at the last status "
+               "check.",
+    _LAST_SUCCESS: "Unix time of the last recovery pass that succeeded (absent until one "
+                   "has).",
+}
 
 
 _M = _Metrics() if prometheus_client is not None else None
@@ -237,6 +274,12 @@ def forget_consumer_lag(group: str, topic: str, partition: int) -> None:
         _M.consumer_lag.remove(group, topic, str(partition))
 
 
+def consumer_fenced_batch(group: str) -> None:
+    """The exactly-once consumer of ``group`` dropped a batch a rebalance fenced."""
+    if _M is not None:
+        _M.fenced_batches.labels(group).inc()
+
+
 class _Timings(Protocol):
     verify_s: float
     decide_s: float
@@ -280,9 +323,9 @@ def recovery_pass(ok: bool, seconds: float, finished: Iterable[str] = (),
     if _M is None:
         return
     _M.passes.labels("ok" if ok else "error").inc()
-    _M.pass_seconds.observe(seconds)
+    _M.pass_seconds().observe(seconds)
     if ok:
-        _M.last_success.set(time.time())
+        _M.gauge(_LAST_SUCCESS).set(time.time())
     for outcome in finished:
         _M.recovered.labels(outcome).inc()
     for kind in heuristic:
@@ -294,9 +337,9 @@ def status_observed(in_doubt: int, heuristic: int, open_max_s: float) -> None:
     and the longest-open transaction's age."""
     if _M is None:
         return
-    _M.in_doubt.set(in_doubt)
-    _M.heuristic_pending.set(heuristic)
-    _M.open_max.set(open_max_s)
+    _M.gauge(_IN_DOUBT).set(in_doubt)
+    _M.gauge(_HEURISTIC_PENDING).set(heuristic)
+    _M.gauge(_OPEN_MAX).set(open_max_s)
 
 
 def _require() -> None:
@@ -304,29 +347,40 @@ def _require() -> None:
         raise ConfigurationError("metrics need prometheus_client: pip install 'dualwrite[metrics]'")
 
 
-class _OwnFamilies(Collector):
-    """dualwrite's metric families only (not the process or Python collectors)."""
+class _Shown(Collector):
+    """The default registry's families that have samples; only dualwrite's with ``own``."""
+
+    def __init__(self, own: bool) -> None:
+        self._own = own
 
     def collect(self) -> Iterator[Any]:
         assert prometheus_client is not None
         for family in prometheus_client.REGISTRY.collect():
-            if family.name.startswith(_PREFIX):
+            if family.samples and (not self._own or family.name.startswith(_PREFIX)):
                 yield family
 
+    def restricted_registry(self, names: Iterable[str]) -> Any:
+        """``/metrics?name[]=...`` (prometheus_client's HTTP server asks for it)."""
+        assert prometheus_client is not None
+        return prometheus_client.REGISTRY.restricted_registry(names)
 
-def exposition() -> str:
-    """dualwrite's metrics in the Prometheus text format (:class:`ConfigurationError` without
-    prometheus_client)."""
+
+def exposition(*, everything: bool = False) -> str:
+    """dualwrite's metrics in the Prometheus text format, only families with samples;
+    ``everything``: every family of the default registry with samples (the process's, the
+    application's own). :class:`ConfigurationError` without prometheus_client. Serve it with
+    :data:`CONTENT_TYPE`."""
     _require()
-    return prometheus_client.generate_latest(_OwnFamilies()).decode()
+    return prometheus_client.generate_latest(_Shown(own=not everything)).decode()
 
 
 def serve(port: int, host: str = "127.0.0.1") -> Callable[[], None]:
-    """Serve ``/metrics`` (the default registry: dualwrite's and the process's metrics) on
-    ``host:port`` in a daemon thread; returns a function that stops it."""
+    """Serve ``/metrics`` (the default registry's families with samples: dualwrite's and the
+    process's metrics) on ``host:port`` in a daemon thread; returns a function that stops it."""
     _require()
     try:
-        server, thread = prometheus_client.start_http_server(port, addr=host)
+        server, thread = prometheus_client.start_http_server(port, addr=host,
+                                                             registry=_Shown(own=False))
     except OSError as exc:
         raise ConfigurationError(f"cannot serve metrics on {host}:{port}: {exc.strerror}") \
             from None

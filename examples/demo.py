@@ -4,30 +4,25 @@
 2. run the order service (examples/order_service.py) against an SQLite file (or --db URL);
 3. run it again and SIGKILL it after the database committed an order, before Kafka did;
 4. `dualwrite recover`, then restart the service for the remaining orders;
-5. compare the rows with what a read_committed consumer sees and print the verdict.
+5. compare the rows with what a read_committed consumer sees (`dualwrite.verify`) and print
+   the verdict.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections import Counter
 from pathlib import Path
 
-import sqlalchemy as sa
-
 import dualwrite as dw
-from dualwrite.dev import read_committed
+from dualwrite.dev import create_topic
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from order_service import orders  # noqa: E402
 
 
 def step(text: str) -> None:
@@ -37,12 +32,6 @@ def step(text: str) -> None:
 def run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
     print("$ " + " ".join(cmd[1:] if cmd[0] == sys.executable else cmd), flush=True)
     return subprocess.run(cmd, text=True, **kw)  # type: ignore[call-overload, no-any-return]
-
-
-def read_committed_ids(bootstrap: str, topic: str) -> list[str]:
-    """Every order id a read_committed consumer sees in `topic`, up to the end."""
-    records, _ = read_committed(bootstrap, topic, timeout_s=30)
-    return [json.loads(value or b"{}")["order_id"] for _, value in records]
 
 
 def main() -> int:
@@ -65,17 +54,14 @@ def main() -> int:
             bootstrap = cluster.bootstrap_servers
             print(f"Kafka at {bootstrap} ({time.monotonic() - started:.1f} s)")
         topic = f"orders-{uuid.uuid4().hex[:6]}"
-        from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
-
-        admin = AdminClient({"bootstrap.servers": bootstrap})
-        admin.create_topics([NewTopic(topic, 3, 1)])[topic].result()
+        create_topic(bootstrap, topic, 3)  # its client logs through `logging`, quiet
         db = args.db or f"sqlite:///{workdir / 'orders.db'}"
         print(f"database: {db}\ntopic: {topic}")
         service = [sys.executable, str(HERE / "order_service.py"), "--db", db,
                    "-b", bootstrap, "--topic", topic]
         half = args.orders // 2
 
-        step(f"placing {half} orders: each an `orders` row and an event, atomically")
+        step(f"placing {half} orders: each a `service_orders` row and an event, atomically")
         run([*service, "--orders", str(half)], check=True, stdout=subprocess.DEVNULL)
 
         crash_on = half + 3
@@ -98,27 +84,19 @@ def main() -> int:
             stdout=subprocess.DEVNULL)
 
         step("verifying: database rows vs records a read_committed consumer sees")
-        engine = dw.create_engine(db)
-        with engine.connect() as conn:
-            rows = {r[0] for r in conn.execute(sa.select(orders.c.order_id))}
-        seen = read_committed_ids(bootstrap, topic)
-        counts = Counter(seen)
-        duplicates = sum(c - 1 for c in counts.values() if c > 1)
-        lost = len(rows - set(counts))
-        extra = len(set(counts) - rows)
-        status = dw.status(engine, {"bootstrap.servers": bootstrap}, prefix="order-service")
-        open_txns = sum(1 for r in status.rows if r.broker and r.broker.state.in_flight)
-        open_txns += len(status.hanging)
-        print(f"{'rows in the database':<40}{len(rows):>8}")
-        print(f"{'records visible to read_committed':<40}{len(seen):>8}")
-        print(f"{'records without a row (phantoms)':<40}{extra:>8}")
-        print(f"{'duplicates':<40}{duplicates:>8}")
-        print(f"{'lost (row without record)':<40}{lost:>8}")
-        print(f"{'open transactions':<40}{open_txns:>8}")
-        ok = lost == 0 and duplicates == 0 and open_txns == 0 and extra == 0 and rows
-        print(f"verified: lost={lost} duplicates={duplicates} open={open_txns}"
-              + ("" if extra == 0 else f" phantoms={extra}"))
-        return 0 if ok else 1
+        # The event's key is the order id: `dualwrite verify --table service_orders --key order_id`.
+        report = dw.verify(db, {"bootstrap.servers": bootstrap}, table="service_orders",
+                           key_column="order_id", topic=topic, timeout_s=30)
+        for label, value in (("rows in the database", report.rows),
+                             ("records visible to read_committed", report.records),
+                             ("records without a row (phantoms)", len(report.phantoms)),
+                             ("duplicates", report.duplicate_records),
+                             ("lost (row without record)", len(report.lost)),
+                             ("partitions held by an open transaction",
+                              len(report.open_partitions))):
+            print(f"{label:<40}{value:>8}")
+        print(report.summary)
+        return 0 if report.ok and report.rows else 1
     finally:
         if cluster is not None:
             step("stopping Kafka")

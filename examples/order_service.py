@@ -1,4 +1,4 @@
-"""A small order service: each order is an `orders` row and an `orders` event, written atomically.
+"""A small order service: each order is a `service_orders` row and an `orders` event, atomically.
 
     python examples/order_service.py --db sqlite:///orders.db -b 127.0.0.1:9092 --orders 20
 
@@ -23,7 +23,7 @@ import dualwrite as dw
 
 metadata = sa.MetaData()
 orders = sa.Table(
-    "orders", metadata,
+    "service_orders", metadata,  # its own table: the README's `orders` has other columns
     sa.Column("order_id", sa.String(64), primary_key=True),
     sa.Column("customer", sa.String(64), nullable=False),
     sa.Column("amount_cents", sa.Integer, nullable=False),

@@ -4,7 +4,7 @@ exactly once (dualwrite.ExactlyOnceConsumer).
     python examples/payments_consumer.py --db sqlite:///payments.db -b 127.0.0.1:9092 --feed 200
 
 ``--feed N`` first creates N unpaid orders and publishes one payment for each. The consumer then
-applies payments in batches: per batch one atomic decision of the `orders` updates, the
+applies payments in batches: per batch one atomic decision of the `payable_orders` updates, the
 `order-paid` records and the input positions. ``--crash-after-db-commit N`` SIGKILLs it in batch N
 after the database decided and before Kafka committed; starting it again (or ``dualwrite
 recover``) finishes that batch, and it goes on from the decided positions. ``--verify`` checks
@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import uuid
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from confluent_kafka import Producer
@@ -29,11 +31,10 @@ from confluent_kafka.cimpl import NewTopic
 import dualwrite as dw
 from dualwrite import metrics
 from dualwrite.participant import PreparedTxnState
-from dualwrite.writer import PhaseHooks
 
 metadata = sa.MetaData()
 orders = sa.Table(
-    "orders", metadata,
+    "payable_orders", metadata,  # its own table: the README's `orders` has other columns
     sa.Column("order_id", sa.String(64), primary_key=True),
     sa.Column("amount_cents", sa.Integer, nullable=False),
     sa.Column("paid_cents", sa.Integer, nullable=False, server_default="0"),
@@ -41,7 +42,7 @@ orders = sa.Table(
 )
 
 
-class CrashAfterDatabaseCommit(PhaseHooks):
+class CrashAfterDatabaseCommit(dw.PhaseHooks):
     """SIGKILL after the database decided batch ``n`` (Kafka has not committed it yet)."""
 
     def __init__(self, n: int) -> None:
@@ -54,8 +55,13 @@ class CrashAfterDatabaseCommit(PhaseHooks):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def quiet_client_config(bootstrap: str) -> dict[str, Any]:
+    """librdkafka's own lines through `logging` (quiet by default), as dualwrite's clients."""
+    return {"bootstrap.servers": bootstrap, "logger": logging.getLogger("dualwrite.librdkafka")}
+
+
 def ensure_topics(bootstrap: str, names: Sequence[str]) -> None:
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient(quiet_client_config(bootstrap))
     existing = admin.list_topics(timeout=10).topics
     missing = [NewTopic(n, 3, 1) for n in names if n not in existing]
     for future in admin.create_topics(missing).values() if missing else ():
@@ -68,7 +74,7 @@ def feed(engine: sa.Engine, bootstrap: str, topic: str, n: int) -> None:
     ids = [(f"order-{run}-{i}", 100 + i) for i in range(n)]
     with engine.begin() as conn:
         conn.execute(orders.insert(), [{"order_id": o, "amount_cents": a} for o, a in ids])
-    producer = Producer({"bootstrap.servers": bootstrap})
+    producer = Producer(quiet_client_config(bootstrap))
     for order_id, amount in ids:
         payment = {"payment_id": f"pay-{order_id}", "order_id": order_id, "amount_cents": amount}
         producer.produce(topic, key=order_id, value=json.dumps(payment))

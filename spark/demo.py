@@ -7,8 +7,8 @@
    decided the batch, Kafka has committed only part of it;
 3. restart it on the same checkpoint: the sink commits the rest of the in-doubt batch, Spark's
    replay of that batch is skipped, and more batches follow;
-4. compare the `orders` rows with what a read_committed consumer sees, list open transactions
-   and leftover staged rows, and print the verdict.
+4. compare the `orders` rows with what a read_committed consumer sees (`dualwrite.verify`),
+   list open transactions and leftover staged rows, and print the verdict.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import Counter
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -32,7 +31,6 @@ import sqlalchemy as sa
 import dualwrite as dw
 from dualwrite.batch import DecisionLog
 from dualwrite.database import mask_url
-from dualwrite.dev import read_committed
 
 HERE = Path(__file__).resolve().parent
 PIPELINE = HERE / "orders_pipeline.py"
@@ -99,15 +97,6 @@ class Pipeline:
             return -9
         finally:
             self.log.close()
-
-
-def read_committed_ids(bootstrap: str, topic: str) -> list[int]:
-    """Every order id (record key) a read_committed consumer sees in ``topic``, up to the end."""
-    records, unfinished = read_committed(bootstrap, topic, timeout_s=60)
-    if unfinished:
-        print(f"warning: partitions {unfinished} not read to the end within 60 s (an open "
-              "transaction holds the last stable offset)")
-    return [int(key or b"-1") for key, _ in records]
 
 
 def open_transactions(bootstrap: str, sink_id: str) -> list[str]:
@@ -240,9 +229,11 @@ def demo() -> tuple[int, str]:
 
         step("verifying: database rows vs records a read_committed consumer sees")
         t = time.monotonic()
+        # Each record's key is its order id: `dualwrite verify --table T --key order_id`.
+        report = dw.verify(engine, {"bootstrap.servers": bootstrap}, table=table,
+                           key_column="order_id", topic=topic, timeout_s=60)
         with engine.connect() as conn:
-            db_ids = [r[0] for r in conn.execute(sa.text(f"SELECT order_id FROM {table}"))]
-        kafka_ids = read_committed_ids(bootstrap, topic)
+            db_ids = {int(r[0]) for r in conn.execute(sa.text(f"SELECT order_id FROM {table}"))}
         still_open = open_transactions(bootstrap, sink_id)
         staged = count_rows(engine, f"{table}_dw_staging")
         record = DecisionLog(engine).read(sink_id)
@@ -250,24 +241,20 @@ def demo() -> tuple[int, str]:
         phases.append(("verify", time.monotonic() - t))
 
         expected = set(range(total * rows))  # the generator's ids of batches 0..total-1
-        db_set, kafka_set = set(db_ids), set(kafka_ids)
-        duplicates = (len(db_ids) - len(db_set)) + sum(
-            c - 1 for c in Counter(kafka_ids).values() if c > 1)
-        missing_db, missing_kafka = expected - db_set, expected - kafka_set
-        lost = len(missing_db | missing_kafka)
-        extra = len((db_set | kafka_set) - expected)
+        missing_db, extra = expected - db_ids, len(db_ids - expected)
         decided = record.last_batch_id + 1 if record is not None else 0
         rows_out = [
             ("batches decided (decision log)", decided),
             ("expected order ids (0..N-1)", len(expected)),
-            ("rows in the database", len(db_ids)),
-            ("records visible to read_committed", len(kafka_ids)),
+            ("rows in the database", report.rows),
+            ("records visible to read_committed", report.records),
             ("ids missing from the database", len(missing_db)),
-            ("ids missing from the topic", len(missing_kafka)),
-            ("ids outside 0..N-1 (phantoms)", extra),
-            ("duplicates", duplicates),
-            ("lost", lost),
+            ("rows without a record (lost)", len(report.lost)),
+            ("records without a row (phantoms)", len(report.phantoms)),
+            ("ids outside 0..N-1", extra),
+            ("duplicates", report.duplicate_records + len(report.duplicate_rows)),
             ("open transactions", len(still_open)),
+            ("partitions held by an open transaction", len(report.open_partitions)),
             ("staged rows left", staged),
         ]
         for label, value in rows_out:
@@ -276,14 +263,14 @@ def demo() -> tuple[int, str]:
             print(f"  open: {tid}")
         print("timings: " + ", ".join(f"{name} {secs:.1f} s" for name, secs in phases)
               + f"; total {time.monotonic() - STARTED:.1f} s")
-        ok = (lost == 0 and duplicates == 0 and not still_open and extra == 0 and staged == 0
+        ok = (report.ok and not missing_db and not still_open and extra == 0 and staged == 0
               and decided == total and bool(db_ids))
         problems = "".join(f" {name}={n}" for name, n in
-                           (("phantoms", extra), ("staged", staged)) if n)
+                           (("missing", len(missing_db)), ("outside", extra),
+                            ("open_transactions", len(still_open)), ("staged", staged)) if n)
         if decided != total:
             problems += f" decided_batches={decided}/{total}"
-        verdict = f"verified: lost={lost} duplicates={duplicates} open={len(still_open)}{problems}"
-        return (0 if ok else 1), verdict
+        return (0 if ok else 1), report.summary + problems
     finally:
         if cluster is not None:
             step("stopping Kafka")

@@ -199,7 +199,10 @@ def ensure_topic(bootstrap: str, topic: str, partitions: int) -> None:
     from confluent_kafka.admin import AdminClient
     from confluent_kafka.cimpl import NewTopic
 
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    # librdkafka's own lines through `logging` (quiet), as dualwrite's clients do.
+    conf: dict[str, Any] = {"bootstrap.servers": bootstrap,
+                            "logger": logging.getLogger("dualwrite.librdkafka")}
+    admin = AdminClient(conf)
     if topic in admin.list_topics(timeout=15).topics:
         return
     future = admin.create_topics([NewTopic(topic, partitions)], request_timeout=15)[topic]

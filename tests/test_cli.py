@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -322,3 +324,87 @@ def test_status_and_recover_batch_sink(db: str, bootstrap: str, topic: str) -> N
         assert entry["in_doubt"] is False and entry["lingering"] == []
     finally:
         engine.dispose()
+
+
+# -- issue 31: honest waits, exit codes, Ctrl-C, status's read-only and output checks ---------
+
+
+def test_an_unanswered_bootstrap_says_so_and_reports_the_real_wait(db: str) -> None:
+    """After ~2 s a line on stderr says what is awaited; the error gives the time really
+    waited (not the 0.2 s floor of an expired deadline) and no kafka-python traceback."""
+    started = time.monotonic()
+    result = dw("status", "--db", db, "-b", f"127.0.0.1:{closed_port()}", "--timeout", "3")
+    took = time.monotonic() - started
+    assert result.returncode == 4, result.stderr
+    assert "connecting to Kafka at 127.0.0.1:" in result.stderr
+    # What is left of the 3 s when the connection starts (the database was asked first).
+    waiting = re.search(r"\(waiting up to ([\d.]+) s\)", result.stderr)
+    assert waiting and 2.0 <= float(waiting[1]) <= 3.0, result.stderr
+    said = re.search(r" in ([\d.]+) s \(timeout ([\d.]+) s", result.stderr)
+    assert said and said[2] == waiting[1], result.stderr
+    assert abs(float(said[1]) - float(said[2])) <= 0.5, result.stderr
+    assert "within 0.2 s" not in result.stderr and "Traceback" not in result.stderr
+    assert took < 3 + 3
+
+
+def test_an_unresolvable_bootstrap_host_fails_at_once(db: str) -> None:
+    started = time.monotonic()
+    result = dw("status", "--db", db, "-b", "no-such-host.invalid:9092", "--timeout", "20")
+    assert result.returncode == 4, result.stderr
+    assert "cannot resolve host 'no-such-host.invalid'" in result.stderr
+    assert time.monotonic() - started < 8  # not the 20 s timeout
+
+
+@pytest.mark.parametrize("what", ["database", "role"])
+def test_a_database_or_role_that_does_not_exist_is_a_configuration_error(
+        postgres_url: str, bootstrap: str, what: str) -> None:
+    """Exit 2 (fix the URL), not 4 (retry); the password never shows."""
+    url = dualwrite.database.normalize_url(postgres_url)
+    url = (url.set(database="no_such_db_31") if what == "database"
+           else url.set(username="no_such_role_31", password="s3cret-pw"))
+    result = dw("status", "--db", url.render_as_string(hide_password=False), "-b", bootstrap,
+                "--timeout", "10")
+    assert result.returncode == 2, result.stderr
+    assert "refused the connection" in result.stderr
+    assert f'{what} "no_such_' in result.stderr
+    assert "s3cret-pw" not in result.stderr + result.stdout
+
+
+def test_ctrl_c_exits_130_with_one_line(db: str) -> None:
+    proc = subprocess.Popen(
+        [*_command(), "status", "--db", db, "-b", f"127.0.0.1:{closed_port()}", "--timeout",
+         "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=10)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "interrupted"
+    assert "Aborted!" not in err and "Traceback" not in err
+
+
+def test_status_does_not_create_a_missing_sqlite_file(tmp_path: Path) -> None:
+    missing = tmp_path / "fresh.db"
+    result = dw("status", "--db", f"sqlite:///{missing}", "-b", "127.0.0.1:9092")
+    assert result.returncode == 2
+    assert "no such database file" in result.stderr
+    assert not missing.exists()
+
+
+def test_status_refuses_json_with_prometheus(db: str) -> None:
+    result = dw("status", "--db", db, "-b", "127.0.0.1:9092", "--json", "--prometheus")
+    assert result.returncode == 2
+    assert "--json and --prometheus exclude each other" in result.stderr
+
+
+def test_status_columns_fit_long_transactional_ids(db: str, bootstrap: str,
+                                                   store: Any) -> None:
+    long_id = "orders-service-" + "x" * 60
+    store.claim([long_id])
+    result = dw("status", "--db", db, "-b", bootstrap, "--timeout", "20")
+    lines = result.stdout.splitlines()
+    header = lines[0]
+    row = next(line for line in lines if line.startswith(long_id))
+    # Every column after the id starts where its heading does.
+    for heading in ("condition", "broker state"):
+        assert row[header.index(heading) - 1] == " ", (header, row)
+    assert header.index("condition") > len(long_id)

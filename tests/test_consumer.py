@@ -189,6 +189,11 @@ def test_a_zombie_after_revocation_cannot_commit(setup: Setup) -> None:
         stalled.set()
         slow(messages, tx)
 
+    def fenced_metric() -> float:
+        return REGISTRY.get_sample_value("dualwrite_consumer_fenced_batches_total",
+                                         {"group": setup.group}) or 0.0
+
+    fenced_before = fenced_metric()
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(zombie.run(zombie_handler)))
     thread.start()
@@ -200,6 +205,7 @@ def test_a_zombie_after_revocation_cannot_commit(setup: Setup) -> None:
     zombie.close()
     setup.check_once(ids)
     assert zombie.fenced_batches == 1
+    assert fenced_metric() - fenced_before == 1  # dualwrite_consumer_fenced_batches_total
     assert result == [0]
 
 
@@ -315,3 +321,21 @@ def test_settings_it_cannot_honour_are_refused_at_once(kw: dict[str, object]) ->
     with pytest.raises(dualwrite.ConfigurationError):
         ExactlyOnceConsumer("sqlite://", {"bootstrap.servers": "127.0.0.1:1"},
                             **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("consumer_config", "session_ms", "heartbeat_ms"), [
+    (None, 10_000, 2_000),  # not librdkafka's 45 s: a dead worker's partitions move in 10 s
+    ({"session.timeout.ms": 6000}, 6000, 2000),
+    ({"session.timeout.ms": "4500"}, "4500", 1500),
+    ({"session.timeout.ms": 30_000, "heartbeat.interval.ms": 5000}, 30_000, 5000),
+])
+def test_session_timeout_defaults_to_10_s_unless_set(
+        consumer_config: dict[str, object] | None, session_ms: object,
+        heartbeat_ms: int) -> None:
+    consumer = ExactlyOnceConsumer("sqlite://", {"bootstrap.servers": "127.0.0.1:1"},
+                                   group_id="g", topics=["a"],
+                                   consumer_config=consumer_config)
+    config = consumer._consumer_config
+    assert (config["session.timeout.ms"], config["heartbeat.interval.ms"]) == \
+        (session_ms, heartbeat_ms)
+    assert dualwrite.PhaseHooks is dualwrite.writer.PhaseHooks  # exported for hooks=

@@ -243,3 +243,28 @@ def test_cli_bad_input_is_one_line_and_exit_2(args: list[str], says: str) -> Non
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
     assert "Pw-5ecret" not in result.output
+
+
+# -- issue 31 ------------------------------------------------------------------------------
+
+
+def test_kafka_python_style_key_is_named(sqlite_url: str) -> None:
+    """``bootstrap_servers`` (kafka-python's spelling) is named as the unknown key, with the
+    librdkafka name to use, not reported as a missing ``bootstrap.servers``."""
+    dualwrite.upgrade_database(sqlite_url)
+    with pytest.raises(dualwrite.ConfigurationError,
+                       match=r"unknown key 'bootstrap_servers'.*did you mean "
+                             r"'bootstrap.servers'\?"):
+        DualWriter(sqlite_url, {"bootstrap_servers": "127.0.0.1:9092"},
+                   transactional_id=f"fm-{uuid.uuid4().hex[:8]}")
+
+
+def test_transaction_without_with_says_to_use_with(writer: DualWriter, topic: str) -> None:
+    """``w.transaction().produce(...)`` (the ``with`` forgotten) is a typed error saying what
+    to write, not an AttributeError about a _GeneratorContextManager; hasattr still works."""
+    misused = writer.transaction()
+    with pytest.raises(dualwrite.TransactionStateError,
+                       match=r"with writer\.transaction\(\) as tx:"):
+        misused.produce(topic, "v")  # type: ignore[attr-defined]
+    assert not hasattr(misused, "connection")
+    _write(writer, "after-misuse", lambda tx: tx.produce(topic, "v"))

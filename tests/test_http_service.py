@@ -1,7 +1,9 @@
 """examples/http_service.py (Starlette + AsyncDualWriterPool) under load, SIGKILLed and restarted.
 
 The invariant per request: the orders rows are exactly the read_committed records, each once,
-and every order the service acknowledged (201) is among them.
+and every order the service acknowledged (201) is among them. Bad requests (no body, not JSON,
+fields missing, unknown or of the wrong type) get a 400 with a JSON error and write nothing;
+``/metrics`` serves dualwrite's families; the start-up line names the ids and the URL.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -22,6 +25,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from prometheus_client.parser import text_string_to_metric_families
 
 import dualwrite
 from tests._kafka_helpers import read_committed
@@ -46,11 +50,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _serve(db_url: str, bootstrap: str, topic: str, port: int) -> subprocess.Popen[bytes]:
+def _serve(db_url: str, bootstrap: str, topic: str, port: int,
+           stdout: int | None = None) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "examples" / "http_service.py"), "--db", db_url, "-b",
          bootstrap, "--topic", topic, "--port", str(port), "--size", "4"],
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, stdout=stdout)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -94,3 +99,76 @@ def test_sigkill_under_load_then_restart(db_url: str, engine: sa.Engine, bootstr
     assert [k for k, n in Counter(ids).items() if n > 1] == []
     assert sorted(rows) == sorted(ids)
     assert set(acked.read_text().split()) <= set(rows)
+
+
+def _request(url: str, body: bytes | None = None,
+             content_type: str = "application/json") -> tuple[int, str, str]:
+    """(status, content type, body) of a GET (no ``body``) or a POST."""
+    req = urllib.request.Request(url, data=body, method="GET" if body is None else "POST",
+                                 headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("Content-Type", ""), exc.read().decode()
+
+
+BAD_BODIES: list[tuple[bytes, str]] = [
+    (b"", "JSON object"),
+    (b"not json", "JSON object"),
+    (b"\xff\xfe", "JSON object"),
+    (b"[1, 2]", "not list"),
+    (b"null", "not NoneType"),
+    (b"{}", "missing field(s): amount_cents, order_id"),
+    (b'{"order_id": "bad-1"}', "missing field(s): amount_cents"),
+    (b'{"amount_cents": 5}', "missing field(s): order_id"),
+    (b'{"order_id": 7, "amount_cents": 5}', "order_id must be"),
+    (b'{"order_id": "", "amount_cents": 5}', "order_id must be"),
+    (json.dumps({"order_id": "x" * 65, "amount_cents": 5}).encode(), "order_id must be"),
+    (b'{"order_id": "bad-2", "amount_cents": "12"}', "amount_cents must be"),
+    (b'{"order_id": "bad-3", "amount_cents": 1.5}', "amount_cents must be"),
+    (b'{"order_id": "bad-4", "amount_cents": true}', "amount_cents must be"),
+    (b'{"order_id": "bad-5", "amount_cents": -1}', "amount_cents must be"),
+    (b'{"order_id": "bad-6", "amount_cents": 2147483648}', "amount_cents must be"),
+    (b'{"order_id": "bad-7", "amount_cents": 5, "note": "x"}', "unknown field(s): note"),
+]
+
+
+def test_bad_requests_get_400_and_write_nothing_and_metrics_are_served(
+        db_url: str, engine: sa.Engine, bootstrap: str, topic: str) -> None:
+    port = _free_port()
+    server = _serve(db_url, bootstrap, topic, port, stdout=subprocess.PIPE)
+    try:
+        assert server.stdout is not None
+        started = server.stdout.readline().decode()
+        assert started.startswith(f"http_service: serving http://127.0.0.1:{port} with "
+                                  "transactional ids http-orders-0..http-orders-3 (4)"), started
+        orders = f"http://127.0.0.1:{port}/orders"
+        for body, error in BAD_BODIES:
+            status, content_type, text = _request(orders, body)
+            assert (status, content_type) == (400, "application/json"), (body, status, text)
+            assert error in json.loads(text)["error"], (body, text)
+        status, _, text = _request(orders, b'{"order_id": "good-1", "amount_cents": 1200}')
+        assert (status, json.loads(text)) == (201, {"order_id": "good-1"})
+        status, _, text = _request(orders, b'{"order_id": "good-1", "amount_cents": 1}')
+        assert (status, json.loads(text)) == (409, {"error": "order exists"})
+        status, content_type, text = _request(f"http://127.0.0.1:{port}/metrics")
+        assert status == 200 and content_type.startswith("text/plain"), (status, content_type)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("dualwrite_pool_writers", (("pool", "http-orders"),))] == 4
+    # The warm-up's transactions and good-1's, committed; the 409 aborted.
+    assert samples[("dualwrite_transactions_total",
+                    (("outcome", "committed"), ("role", "pool")))] >= 2
+    assert any(name == "dualwrite_phase_seconds_count" for name, _ in samples)
+    assert any(name.startswith("process_") for name, _ in samples)  # the whole registry
+    families = list(text_string_to_metric_families(text))
+    assert all(f.samples for f in families)  # no empty family
+    assert [json.loads(r) for r in read_committed(bootstrap, topic)] == \
+        [{"order_id": "good-1", "amount_cents": 1200}]
+    with engine.connect() as conn:
+        rows = list(conn.exec_driver_sql("SELECT order_id, amount_cents FROM http_orders"))
+    assert [tuple(r) for r in rows] == [("good-1", 1200)]

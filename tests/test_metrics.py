@@ -6,6 +6,10 @@ saturation gauges; no label carries a transactional id. ``dualwrite status --pro
 the exposition (parsed with prometheus_client's parser) with the in-doubt transaction a
 SIGKILLed writer left. Without prometheus_client (its import blocked in a subprocess) the same
 calls record nothing and fail nothing, and the CLI's metrics options say what to install.
+
+The alerts examples/README.md documents are evaluated on scrapes of real ``dualwrite recover
+--watch --metrics-port`` daemons (healthy, failing every pass) and of ``status --prometheus``:
+no family without samples, no last-success time before a pass succeeded.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -29,8 +35,15 @@ from dualwrite.errors import BatchHeuristicAbortError, HeuristicAbortError, Retr
 from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.writer import PhaseHooks
 from tests._db_helpers import fresh_schema
-from tests._kafka_helpers import read_committed, unique
-from tests.test_recover_watch import ROOT, SECRET, crash_after_db_commit, with_password, worker_env
+from tests._kafka_helpers import closed_port, read_committed, unique
+from tests.test_recover_watch import (
+    ROOT,
+    SECRET,
+    crash_after_db_commit,
+    daemon,
+    with_password,
+    worker_env,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -252,3 +265,105 @@ def test_nothing_recorded_and_nothing_fails_without_prometheus_client(
                              timeout=60, check=False)
         assert cli.returncode == 2, (args, cli.stdout, cli.stderr)
         assert "pip install 'dualwrite[metrics]'" in cli.stderr, cli.stderr
+
+
+Scrape = dict[tuple[str, frozenset[tuple[str, str]]], float]
+LAST_SUCCESS = "dualwrite_recovery_last_success_timestamp_seconds"
+
+
+def parse(text: str) -> Scrape:
+    """Every sample of an exposition; asserts that no family is empty."""
+    families = list(text_string_to_metric_families(text))
+    assert [f.name for f in families if not f.samples] == []
+    return {(s.name, frozenset(s.labels.items())): s.value for f in families for s in f.samples}
+
+
+def series(scrape: Scrape, name: str, **labels: str) -> list[float]:
+    return [v for (n, ls), v in scrape.items()
+            if n == name and set(labels.items()) <= set(ls)]
+
+
+def alerts(before: Scrape, now_scrape: Scrape, now: float) -> dict[str, bool]:
+    """examples/README.md's alert expressions, evaluated as Prometheus would on two scrapes
+    (``before`` the start of the range, ``now_scrape`` its end; a series absent before counts
+    from 0). ``no-success`` is the recommended companion of ``stale-success``: passes failed and
+    none ever succeeded."""
+
+    def increase(name: str) -> float:
+        old = {ls: v for (n, ls), v in before.items() if n == name}
+        return max((v - old.get(ls, 0.0) for (n, ls), v in now_scrape.items() if n == name),
+                   default=0.0)
+
+    return {
+        # increase(dualwrite_heuristic_outcomes_total[1h]) > 0
+        "heuristic": increase("dualwrite_heuristic_outcomes_total") > 0,
+        # dualwrite_in_doubt > 0
+        "in-doubt": any(v > 0 for v in series(now_scrape, "dualwrite_in_doubt")),
+        # time() - dualwrite_recovery_last_success_timestamp_seconds > 120
+        "stale-success": any(now - v > 120 for v in series(now_scrape, LAST_SUCCESS)),
+        # dualwrite_recovery_passes_total{result="error"} > 0
+        #   unless on() dualwrite_recovery_last_success_timestamp_seconds
+        "no-success": any(v > 0 for v in series(now_scrape, "dualwrite_recovery_passes_total",
+                                                  result="error"))
+                      and not series(now_scrape, LAST_SUCCESS),
+    }
+
+
+def scrape_text(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        body: bytes = r.read()
+    return body.decode()
+
+
+def wait_for_passes(port: int, result: str, count: int, timeout_s: float = 60) -> Scrape:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            scrape = parse(scrape_text(port))
+            if sum(series(scrape, "dualwrite_recovery_passes_total", result=result)) >= count:
+                return scrape
+        except OSError:  # not serving yet
+            pass
+        assert time.monotonic() < deadline, f"no {count} {result} passes in {timeout_s} s"
+        time.sleep(0.2)
+
+
+def test_documented_alerts_on_a_healthy_and_a_failing_daemon(pg: str, bootstrap: str) -> None:
+    """Healthy: nothing fires, the last success is recent (and would fire 120 s after the last
+    one). Every pass failing (a wrong bootstrap): no last-success time at all, so the documented
+    ``time() - …last_success… > 120`` stays silent for ever; ``no-success`` fires."""
+    healthy_port, failing_port = closed_port(), closed_port()
+    args = ["--watch", "0.5", "--timeout", "3", "--db", pg]
+    with daemon([*args, "-b", bootstrap], healthy_port) as healthy, \
+            daemon([*args, "-b", f"127.0.0.1:{closed_port()}", "--max-backoff", "1"],
+                   failing_port) as failing:
+        first = wait_for_passes(healthy_port, "ok", 1)
+        last = wait_for_passes(healthy_port, "ok", 3)
+        bad_first = wait_for_passes(failing_port, "error", 1)
+        bad_last = wait_for_passes(failing_port, "error", 2)
+        assert healthy.proc.poll() is None and failing.proc.poll() is None
+    now = time.time()
+    print("healthy:", sorted(n for n, _ in last), "\nfailing:", sorted(n for n, _ in bad_last))
+    assert alerts(first, last, now) == {"heuristic": False, "in-doubt": False,
+                                        "stale-success": False, "no-success": False}
+    assert now - series(last, LAST_SUCCESS)[0] < 10
+    assert alerts(first, last, now + 130)["stale-success"]  # no success for 130 s
+    assert not series(bad_last, LAST_SUCCESS)  # never set: not exported (not a 0)
+    assert alerts(bad_first, bad_last, now) == {"heuristic": False, "in-doubt": False,
+                                                "stale-success": False, "no-success": True}
+    # The failing daemon ran no status check: no in-doubt figure (not a 0 either).
+    assert not series(bad_last, "dualwrite_in_doubt")
+
+
+def test_status_prometheus_prints_no_empty_family_and_no_recovery_time(pg: str,
+                                                                       bootstrap: str) -> None:
+    """A textfile-collector scrape: the status gauges only; no recovery alert can fire."""
+    result = CliRunner().invoke(main, ["status", "--prometheus", "--db", pg, "-b", bootstrap])
+    assert result.exit_code == 0, result.output
+    scrape = parse(result.output)  # (this process's registry may hold other tests' series)
+    assert {"dualwrite_in_doubt", "dualwrite_heuristic_unacknowledged",
+            "dualwrite_active_transaction_open_time_max_seconds"} <= {n for n, _ in scrape}
+    assert "# HELP dualwrite_consumer_lag " not in result.output  # no series: not printed
+    if not series(scrape, "dualwrite_recovery_passes_total"):  # no daemon pass in-process
+        assert LAST_SUCCESS not in result.output
+    assert not any(alerts(scrape, scrape, time.time()).values())

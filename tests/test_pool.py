@@ -555,3 +555,53 @@ def test_a_group_deeper_than_the_kept_savepoints_commits(db_url: str, engine: sa
     assert len(ok) == n
     assert biggest > 100, "no deep group formed"
     assert assert_invariant(engine, bootstrap, topic) == ok
+
+
+_INTERRUPTED_WORKER = r'''
+import sys, threading, time
+import sqlalchemy as sa
+from dualwrite import DualWriterPool
+db, bootstrap, topic, prefix = sys.argv[1:5]
+pool = DualWriterPool(db, {"bootstrap.servers": bootstrap}, id_prefix=prefix, size=1,
+                      timeout_s=5, acquire_timeout_s=60)
+holding = threading.Event()
+def hold() -> None:
+    with pool.transaction() as tx:
+        tx.connection.execute(sa.text("INSERT INTO pool_rows VALUES ('held')"))
+        holding.set()
+        time.sleep(3)
+threading.Thread(target=hold, daemon=True).start()
+holding.wait()
+print("WAITING", flush=True)
+try:
+    with pool.transaction() as tx:  # waits for its turn behind the held request: Ctrl-C here
+        tx.produce(topic, "never")
+finally:
+    started = time.monotonic()
+    pool.close()
+    print(f"CLOSED {time.monotonic() - started:.2f}", flush=True)
+'''
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_ctrl_c_while_waiting_for_a_turn_leaves_close_bounded(db_url: str, bootstrap: str,
+                                                             topic: str) -> None:
+    """Ctrl-C while a request waits for its group (issue 31): the group must not take the
+    request its caller left, or its thread waits for that block forever and close() for the
+    thread (30.0 s before the fix). Exit within the pool's timeout_s + 3 s."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _INTERRUPTED_WORKER, db_url, bootstrap, topic, unique("sigint")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "WAITING"
+    time.sleep(0.5)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=40)
+    finally:
+        proc.kill()
+    took = time.monotonic() - started
+    assert "CLOSED" in out, err[-2000:]
+    assert "KeyboardInterrupt" in err
+    assert took < 5 + 3, (took, out, err[-2000:])

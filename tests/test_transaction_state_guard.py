@@ -9,6 +9,7 @@ Every case ends with rows == read_committed records and nothing left open.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import threading
 import time
@@ -71,6 +72,25 @@ def test_a_sneaked_statement_is_refused_before_it_runs(
         with contextlib.suppress(TransactionStateError):
             tx.produce(topic, b"second", key=b"second")
         raise RuntimeError("the block's own failure")
+    assert_clean(writer, engine, bootstrap, topic, [])
+
+
+def test_an_interrupted_statement_lets_the_interrupt_through(
+        writers: Any, engine: sa.Engine, bootstrap: str, topic: str) -> None:
+    """Ctrl-C while a statement of the block waits: SQLAlchemy invalidates the connection, and
+    the KeyboardInterrupt (not a TransactionStateError about invalidate()) leaves the block; the
+    transaction is abandoned and the writer goes on. Before: "tx.connection.invalidate()
+    refused" replaced the interrupt, so a service's Ctrl-C ended in exit 1 with that error."""
+    if engine.dialect.name != "postgresql":
+        pytest.skip("sqlite3 runs a statement without checking for signals")
+    writer = writers(engine, unique("interrupt"))
+    interrupt = threading.Timer(0.5, _thread.interrupt_main)
+    with pytest.raises(KeyboardInterrupt), writer.transaction() as tx:
+        insert(tx.connection, "first")
+        tx.produce(topic, b"first", key=b"first")
+        interrupt.start()
+        tx.connection.execute(sa.text("SELECT pg_sleep(5)"))
+    interrupt.join()
     assert_clean(writer, engine, bootstrap, topic, [])
 
 

@@ -54,6 +54,10 @@ _PRODUCER_ONLY = ("transactional.id", "transaction.timeout.ms", "linger.ms",
 # Settings the consumer sets itself: the decision owns the input positions.
 _FIXED = {"enable.auto.commit": False, "enable.auto.offset.store": False,
           "isolation.level": "read_committed"}
+# The session unless the application sets one: a dead worker's partitions move to a live one
+# after 10 s, not librdkafka's 45 s; heartbeats at most a third of the session apart.
+_SESSION_MS = 10_000
+_HEARTBEAT_MS = 2_000
 
 
 @dataclass(frozen=True)
@@ -93,8 +97,12 @@ class ExactlyOnceConsumer:
 
     ``engine``: SQLAlchemy engine or URL (dualwrite's migrations applied, 0004 or later).
     ``kafka_config``: librdkafka settings for both the consumer and the producer
-    (``consumer_config`` adds consumer-only ones, e.g. ``session.timeout.ms``). The group must use
-    an eager assignor (``range``/``roundrobin``, librdkafka's default), the classic protocol.
+    (``consumer_config`` adds consumer-only ones). Unless either sets them,
+    ``session.timeout.ms`` is 10000 and ``heartbeat.interval.ms`` 2000 (at most a third of the
+    session): librdkafka's 45 s would leave a killed worker's partitions unread for 45 s (the
+    broker's ``group.min.session.timeout.ms``, 6 s by default, is the lower bound). The group
+    must use an eager assignor (``range``/``roundrobin``, librdkafka's default), the classic
+    protocol.
 
     Transactional ids: ``{transactional_id_prefix}-{n}``, ``n`` the lowest instance number whose
     lease no live process holds (``instance`` fixes it), so the workers of a group never share
@@ -135,6 +143,14 @@ class ExactlyOnceConsumer:
         consumer = {k: v for k, v in config.items() if k not in _PRODUCER_ONLY}
         consumer.update(consumer_config or {})
         consumer.setdefault("auto.offset.reset", "earliest")
+        consumer.setdefault("session.timeout.ms", _SESSION_MS)
+        if "heartbeat.interval.ms" not in consumer:
+            try:
+                session_ms = int(consumer["session.timeout.ms"])
+            except (TypeError, ValueError):
+                raise ConfigurationError("session.timeout.ms must be a number of milliseconds, "
+                                         f"not {consumer['session.timeout.ms']!r}") from None
+            consumer["heartbeat.interval.ms"] = max(1, min(_HEARTBEAT_MS, session_ms // 3))
         strategy = str(consumer.get("partition.assignment.strategy", "range"))
         if "cooperative" in strategy or str(consumer.get("group.protocol", "classic")) != \
                 "classic":
@@ -160,7 +176,8 @@ class ExactlyOnceConsumer:
         self.decided = 0
         """Messages decided by this consumer so far."""
         self.fenced_batches = 0
-        """Batches refused because a rebalance moved one of their partitions away."""
+        """Batches refused because a rebalance moved one of their partitions away (also
+        ``dualwrite_consumer_fenced_batches_total{group}``)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -383,6 +400,7 @@ class ExactlyOnceConsumer:
                 self._store.decide(tx.connection, positions, generations)
         except PartitionFencedError as exc:
             self.fenced_batches += 1
+            metrics.consumer_fenced_batch(self._group)
             log.warning("consumer group %s: transactional_id=%s: %s", self._group,
                         writer.transactional_id, exc)
             self._resync.update(positions)

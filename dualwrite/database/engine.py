@@ -22,6 +22,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import shlex
 import socket
 import sqlite3
@@ -59,8 +60,10 @@ __all__ = [
     "MYSQL_ISOLATION_LEVEL",
     "SQLITE_BEGIN_OPTION",
     "bounded_wait",
+    "check_database_file",
     "check_mariadb_version",
     "check_schema",
+    "connection_refusal",
     "create_engine",
     "current_revision",
     "database_error",
@@ -152,6 +155,21 @@ def normalize_url(url: str | URL) -> URL:
 
 
 _SECRET_QUERY_KEYS = ("password", "passfile", "sslpassword", "token", "secret")
+
+
+def check_database_file(url: str | URL) -> None:
+    """For a command that only reads (``dualwrite status``): raise :class:`ConfigurationError`
+    ("no such database file") if ``url`` is a SQLite file that does not exist, which
+    connecting would create empty. Other databases, ``:memory:`` and ``?uri=true`` URLs pass."""
+    parsed = normalize_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.query.get("uri") in ("true", "1"):
+        return
+    path = parsed.database or ""
+    if path in ("", ":memory:") or os.path.exists(path):
+        return
+    raise ConfigurationError(
+        f"no such database file: {os.path.abspath(path)} ({mask_url(parsed)}); check --db "
+        "(a read-only command does not create it; `dualwrite db upgrade` does)")
 
 
 def mask_url(url: str | URL) -> str:
@@ -405,10 +423,59 @@ def _driver_detail(url: URL, exc: BaseException) -> str:
     return detail
 
 
-def unreachable_error(url: URL, exc: BaseException) -> DatabaseUnreachableError:
-    """The error for a failed connection; the driver's text is kept, the password scrubbed."""
+def unreachable_error(url: URL, exc: BaseException) -> DualWriteError:
+    """The error for a failed connection; the driver's text is kept, the password scrubbed.
+
+    A server that answered but refused the connection for a reason retrying cannot fix (no such
+    database, no such role, bad credentials) is a :class:`ConfigurationError`, not
+    :class:`DatabaseUnreachableError`.
+    """
+    refused = connection_refusal(url, exc)
+    if refused is not None:
+        return refused
     return DatabaseUnreachableError(
         f"cannot reach the database {mask_url(url)}: {_driver_detail(url, exc)}")
+
+
+#: Connection refusals by the server that no retry fixes, by SQLSTATE: invalid_catalog_name
+#: (no such database), invalid_authorization_specification (no such role, no pg_hba.conf
+#: entry), invalid_password.
+_REFUSED_SQLSTATES = {"3D000": "the database does not exist",
+                      "28000": "the role does not exist or may not connect",
+                      "28P01": "authentication failed (user or password)"}
+#: The same, by libpq's text: psycopg 3 raises a failed connect without a SQLSTATE.
+_REFUSED_PG_TEXT = (
+    (re.compile(r'database "[^"]*" does not exist'), "the database does not exist"),
+    (re.compile(r'role "[^"]*" does not exist'), "the role does not exist"),
+    (re.compile(r"password authentication failed|authentication failed for user|"
+                r"no password supplied|password is required"),
+     "authentication failed (user or password)"),
+    (re.compile(r"no pg_hba\.conf entry"), "the server's pg_hba.conf refuses this user/host"),
+)
+#: MariaDB: 1049 unknown database, 1045 access denied (user or password), 1044 access denied
+#: to the database, 1698 access denied (unix_socket / plugin authentication).
+_REFUSED_MYSQL = {1049: "the database does not exist",
+                  1045: "access denied (user or password)",
+                  1044: "access denied to the database",
+                  1698: "access denied (authentication plugin)"}
+
+
+def connection_refusal(url: URL, exc: BaseException) -> ConfigurationError | None:
+    """A :class:`ConfigurationError` if ``exc`` is the server refusing the connection
+    for a reason in the URL (database name, user, password), else None. The message names the
+    URL with its password masked and never carries the password."""
+    orig = getattr(exc, "orig", None) or exc
+    reason = _REFUSED_SQLSTATES.get(_sqlstate(orig) or "") or _REFUSED_MYSQL.get(
+        _mysql_errno(orig) or -1)
+    if reason is None and type(orig).__module__.split(".", 1)[0] == "psycopg":
+        text = str(orig)
+        reason = next((why for pattern, why in _REFUSED_PG_TEXT if pattern.search(text)), None)
+    if reason is None:
+        return None
+    return ConfigurationError(
+        f"the database server refused the connection to {mask_url(url)}: {reason} "
+        f"({_driver_detail(url, exc)}); check the database name, user and password in the URL "
+        "(retrying will not help)")
 
 
 # SQLSTATEs, grouped by what the caller does next (see database_error).
@@ -530,6 +597,9 @@ def database_error(exc: BaseException, url: URL, *, table: str | None = None) ->
             f"mode ({detail}): dualwrite needs transactions and a server session per client "
             "connection. Connect dualwrite directly to PostgreSQL, or through a pooler in "
             "session pooling mode (PgBouncer pool_mode = session)")
+    refused = connection_refusal(url, exc)
+    if refused is not None:
+        return refused
     if _connection_lost(exc, orig):
         return unreachable_error(url, exc)
     errno = _mysql_errno(orig)

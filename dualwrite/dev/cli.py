@@ -333,8 +333,9 @@ def _reuse(cluster: LocalKafkaCluster, topics: list[tuple[str, int]], postgres: 
     twice)."""
     from confluent_kafka.admin import AdminClient
 
-    listed = AdminClient({"bootstrap.servers": cluster.bootstrap_servers}).list_topics(
-        timeout=10).topics
+    conf: dict[str, Any] = {"bootstrap.servers": cluster.bootstrap_servers,
+                            "logger": logging.getLogger("dualwrite.librdkafka.dev")}
+    listed = AdminClient(conf).list_topics(timeout=10).topics
     try:
         for name, partitions in topics:
             if name not in listed:

@@ -100,7 +100,7 @@ def application_acls(
     transactional_id_prefix: str = "",
     describe_configs: bool = True,
 ) -> list[Acl]:
-    """The minimal ACLs of a dualwrite application (see README.md, "Secured clusters").
+    """The minimal ACLs of a dualwrite application (see docs/operating.md, "Secured clusters").
 
     Topics by name and/or by prefix: WRITE (produce) and READ (read_committed anchor checks,
     DescribeProducers); transactional ids by prefix: WRITE (implies DESCRIBE); consumer groups

@@ -3,7 +3,8 @@
 ``TwoPhaseProducer`` prepares and commits; ``PreparedTxnState`` names what it prepared;
 ``complete`` finishes an in-doubt transaction from that name and says what it did (``Outcome``);
 ``ControlPlane`` speaks the coordinator RPCs librdkafka does not expose; ``kafka_errors`` turns
-Kafka error codes into dualwrite errors (the one translation layer for the Kafka side).
+Kafka error codes into dualwrite errors (the one translation layer for the Kafka side);
+``read_committed`` reads a whole topic as a read_committed consumer sees it (``verify``).
 """
 
 from dualwrite.participant.completion import complete
@@ -17,6 +18,7 @@ from dualwrite.participant.identifiers import ProducerIdentity, TopicPartition
 from dualwrite.participant.outcome import Outcome
 from dualwrite.participant.prepared_state import Anchor, PreparedTxnState
 from dualwrite.participant.producer import TwoPhaseProducer
+from dualwrite.participant.topic_reader import TopicRead, read_committed
 
 __all__ = [
     "Anchor",
@@ -26,8 +28,10 @@ __all__ = [
     "ProbeResult",
     "ProducerIdentity",
     "TopicPartition",
+    "TopicRead",
     "TransactionDescription",
     "TwoPhaseProducer",
     "TxnState",
     "complete",
+    "read_committed",
 ]

@@ -201,10 +201,24 @@ def check_kafka_config(config: object) -> dict[str, Any]:
     bad = [k for k in config if not isinstance(k, str)]
     if bad:
         raise ConfigurationError(f"Kafka setting names must be str, not {bad[0]!r}")
+    for key in config:
+        if "_" in key and key not in _PYTHON_CLIENT_KEYS:
+            dotted = _KAFKA_PYTHON_NAMES.get(key, key.replace("_", "."))
+            raise ConfigurationError(
+                f"unknown key {key!r} in the Kafka configuration (did you mean {dotted!r}?): "
+                "it takes confluent-kafka's (librdkafka's) setting names, written with dots")
     if "bootstrap.servers" not in config:
         raise ConfigurationError("the Kafka configuration has no 'bootstrap.servers'")
     bootstrap_servers(config["bootstrap.servers"])
     return dict(config)
+
+
+#: confluent-kafka's own settings, the only ones written with underscores (librdkafka's have
+#: dots); another name with an underscore is most likely kafka-python's (``bootstrap_servers``).
+_PYTHON_CLIENT_KEYS = frozenset({"error_cb", "throttle_cb", "stats_cb", "oauth_cb", "on_delivery",
+                                 "on_commit", "log_cb", "log_level"})
+#: kafka-python's names of the settings whose librdkafka name is not just the dotted one.
+_KAFKA_PYTHON_NAMES = {v: k for k, v in _DIRECT.items()}
 
 
 def check_timeout(value: object, name: str = "timeout_s") -> float:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import enum
 import logging
 import re
+import socket
+import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -57,6 +59,8 @@ from dualwrite.participant.kafka_errors import (
 )
 
 __all__ = [
+    "CONNECT_NOTICE_S",
+    "RESOLVE_BOUND_S",
     "ActiveProducer",
     "ApiRange",
     "BrokerProbe",
@@ -65,6 +69,7 @@ __all__ = [
     "TransactionDescription",
     "TransactionListing",
     "TxnState",
+    "check_resolvable",
 ]
 
 log = logging.getLogger(__name__)
@@ -258,6 +263,61 @@ class ProbeResult:
         }
 
 
+#: After this long connecting to Kafka, say so in one log line rather than wait in silence.
+CONNECT_NOTICE_S = 2.0
+#: The longest the look-up of the bootstrap host names may take before connecting is tried
+#: anyway (a resolver that hangs is then kafka-python's to wait for, within the timeout).
+RESOLVE_BOUND_S = 5.0
+
+
+def _split_server(entry: str) -> tuple[str, int]:
+    """``host:port`` (also ``[v6]:port``, ``PROTOCOL://host:port``, a bare host) as its parts."""
+    entry = entry.strip().rsplit("://", 1)[-1]
+    host, sep, port = entry.rpartition(":")
+    if not sep or "]" in port or (host.count(":") and not host.startswith("[")):
+        host, port = entry, "9092"  # a bare host name, or a bare IPv6 address
+    try:
+        number = int(port)
+    except ValueError:
+        number = 9092
+    return host.strip("[]"), number
+
+
+def check_resolvable(servers: Sequence[str], bound_s: float = RESOLVE_BOUND_S) -> None:
+    """Look the bootstrap host names up (``socket.getaddrinfo``), all at once and for at most
+    ``bound_s``: raise :class:`BrokerUnreachableError` ("cannot resolve host ...") at once when
+    none resolves, rather than let the client retry a name that does not exist until its
+    timeout; log the ones that fail when others resolve. A look-up still running after
+    ``bound_s`` is not counted as failed."""
+    results: dict[str, str | None] = {}
+
+    def look_up(host: str, port: int) -> None:
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            results[host] = None
+        except (OSError, UnicodeError) as exc:  # socket.gaierror; a label too long (IDNA)
+            results[host] = str(exc) or type(exc).__name__
+
+    hosts = dict(_split_server(s) for s in servers if s.strip())
+    threads = [threading.Thread(target=look_up, args=(h, p), daemon=True,
+                                name="dualwrite-resolve") for h, p in hosts.items()]
+    until = time.monotonic() + bound_s
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, until - time.monotonic()))
+    failed = {h: why for h, why in dict(results).items() if why is not None}
+    if not failed:
+        return
+    names = ", ".join(repr(h) for h in failed)
+    reason = next(iter(failed.values()))
+    if len(failed) == len(hosts):
+        raise BrokerUnreachableError(
+            f"cannot resolve host {names} ({reason}): check the host names in "
+            f"bootstrap.servers ({','.join(servers)}) and the DNS")
+    log.warning("cannot resolve Kafka bootstrap host %s (%s); trying the others", names, reason)
+
+
 class ControlPlane:
     """A typed client for the transaction RPCs; one instance per cluster, thread-safe.
 
@@ -281,24 +341,38 @@ class ControlPlane:
         kp = kafka_python_config(config)
         kp.setdefault("client_id", "dualwrite-control-plane")
         kp["request_timeout_ms"] = int(timeout_s * 1000)
-        kp["bootstrap_timeout_ms"] = int(wait_s(timeout_s) * 1000)
+        # The bootstrap wait is the one a caller feels when no broker answers: kafka-python
+        # blocks in the admin client's constructor for bootstrap_timeout_ms.
+        waiting_s = wait_s(timeout_s)
+        kp["bootstrap_timeout_ms"] = int(waiting_s * 1000)
         kp["reconnect_backoff_max_ms"] = 1000
         # Recovery's threads share a connection per broker: let their requests queue on the wire
         # rather than in the client (kafka-python's default allows 5 in flight).
         kp.setdefault("max_in_flight_requests_per_connection", _MAX_IN_FLIGHT)
         self._servers = ",".join(kp["bootstrap_servers"])
+        check_resolvable(kp["bootstrap_servers"], min(RESOLVE_BOUND_S, waiting_s))
+        started = time.monotonic()
+        notice = threading.Timer(CONNECT_NOTICE_S, log.warning,
+                                 ("connecting to Kafka at %s (waiting up to %.3g s)…",
+                                  self._servers, waiting_s))
+        notice.daemon = True
+        notice.start()
         try:
             self._link = KafkaLink(**kp)
         except kafka_errors.KafkaError as exc:
+            elapsed = time.monotonic() - started
+            notice.cancel()
             # kafka-python retries a failed SASL handshake until the timeout: say it was that.
             failure = authentication_failure(config, min(5.0, timeout_s))
             if failure is not None:
                 raise FatalError(failure) from None
             raise BrokerUnreachableError(
-                f"no Kafka broker answered at {self._servers} within "
-                f"{wait_s(timeout_s):.3g} s ({exc!r}); "
+                f"no Kafka broker answered at {self._servers} in {elapsed:.1f} s (timeout "
+                f"{waiting_s:.3g} s; kafka-python: {str(exc) or type(exc).__name__}); "
                 "check bootstrap.servers and that the cluster is up (`dualwrite dev status`)"
-            ) from exc
+            ) from None
+        finally:
+            notice.cancel()
         self._admin = self._link.admin
         if require_support:
             missing = self.missing_requests()

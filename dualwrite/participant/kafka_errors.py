@@ -65,10 +65,12 @@ _ADVICE: dict[int, str] = {
 }
 
 _AUTHORIZATION_CODES = frozenset({29, 30, 31, 53})
+_ACL_HELP = 'see docs/operating.md, "Secured clusters"'
 _AUTHENTICATION_CODES = frozenset({33, 34, 58})
 
 # The ACL each request needs, by (API, error code): what a missing-ACL error tells the operator
-# to grant (see README.md, "Secured clusters"). WRITE, READ, DELETE and ALTER imply DESCRIBE.
+# to grant (see docs/operating.md, "Secured clusters"). WRITE, READ, DELETE and ALTER imply
+# DESCRIBE.
 _RESOURCE_TYPE = {29: "Topic", 30: "Group", 31: "Cluster", 53: "TransactionalId"}
 _REQUIRED_OPERATION: dict[tuple[str, int], str] = {
     ("Produce", 29): "WRITE",
@@ -179,8 +181,7 @@ def raise_for_code(code: int, context: str, *, resource: str | None = None) -> N
         raise FencedKafkaError(info, context)
     if code in _AUTHORIZATION_CODES:
         acl = required_acl(code, context, resource)
-        advice = (f"Missing ACL: grant {acl} to this principal (see README.md, "
-                  "\"Secured clusters\").")
+        advice = f"Missing ACL: grant {acl} to this principal ({_ACL_HELP})."
         raise AuthorizationError(KafkaErrorInfo(info.code, info.name, False, advice), context,
                                  acl)
     if code in _AUTHENTICATION_CODES:
@@ -266,14 +267,14 @@ def topic_write_denied(missing: list[str], context: str) -> AuthorizationError:
     :meth:`ControlPlane.missing_topic_acls` names them)."""
     info = error_info(KafkaError.TOPIC_AUTHORIZATION_FAILED)
     acls = ", ".join(missing)
-    advice = f"Missing ACL: grant {acls} to this principal (see README.md, \"Secured clusters\")."
+    advice = f"Missing ACL: grant {acls} to this principal ({_ACL_HELP})."
     return AuthorizationError(KafkaErrorInfo(info.code, info.name, False, advice), context, acls)
 
 
 def _authorization_error(err: KafkaError, context: str, resource: str | None) -> DualWriteError:
     info = error_info(err.code())
     acl = required_acl(err.code(), context, resource)
-    advice = f"Missing ACL: grant {acl} to this principal (see README.md, \"Secured clusters\")."
+    advice = f"Missing ACL: grant {acl} to this principal ({_ACL_HELP})."
     return AuthorizationError(KafkaErrorInfo(info.code, info.name, False, advice),
                               f"{context}: {err.str()}", acl)
 

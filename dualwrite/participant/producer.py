@@ -849,11 +849,12 @@ def _bound_socket_timeout(config: dict[str, Any], timeout_s: float) -> None:
     timeout scan then fails whatever request is in flight or queued at that moment (``REQTMOUT
     ... Timed out ProduceRequest in flight (after 9ms)``, an AddPartitionsToTxn timed out in the
     out-queue), disconnects and retries — about 0.5 s lost, measured as the pool's flush p99
-    (bench/README.md). So the socket timeout stays at librdkafka's default unless the
-    transaction timeout is shorter (librdkafka wants it 100 ms below that), and no longer than
-    the producer's ``timeout_s`` (at least 5 s): a request still in flight when its call gave up
-    (an InitProducerId sent to a broker that is down) should not reach the broker long after,
-    once it is back, where a delayed request can act on a later transaction (KAFKA-17754).
+    (docs/benchmark-history.md, "the 0.5 s tail found"). So the socket timeout stays at
+    librdkafka's default unless the transaction timeout is shorter (librdkafka wants it 100 ms
+    below that), and no longer than the producer's ``timeout_s`` (at least 5 s): a request
+    still in flight when its call gave up (an InitProducerId sent to a broker that is down)
+    should not reach the broker long after, once it is back, where a delayed request can act
+    on a later transaction (KAFKA-17754).
     """
     if "socket.timeout.ms" in config:
         return

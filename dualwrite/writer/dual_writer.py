@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
@@ -75,6 +76,53 @@ LateLock = Callable[[TwoPhaseProducer, Sequence[_Record]],
 before; returns the connection and producer the transaction goes on with (both new if it had to
 start over). Raises, with nothing of the transaction left open under a new producer, if it
 cannot."""
+
+
+_T = TypeVar("_T")
+_P = ParamSpec("_P")
+
+
+class _NotATransactionError(TransactionStateError, AttributeError):
+    """A transaction's call made on ``transaction()``'s context manager (``with`` forgotten);
+    an AttributeError too, so that ``hasattr`` and ``getattr(x, name, default)`` still work."""
+
+
+class TransactionContext(contextlib.AbstractContextManager[_T]):
+    """What ``transaction()`` returns: a context manager whose ``with`` opens the transaction.
+    A transaction's call made on it instead (``w.transaction().produce(...)``) raises
+    :class:`~dualwrite.errors.TransactionStateError` saying to use ``with``."""
+
+    def __init__(self, inner: contextlib.AbstractContextManager[_T], what: str) -> None:
+        self._inner = inner
+        self._what = what
+
+    def __enter__(self) -> _T:
+        return self._inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._inner.__exit__(*exc)
+
+    if not TYPE_CHECKING:  # at run time only: type checkers still flag the misuse
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            raise _NotATransactionError(
+                f"{self._what}() returns a context manager, not the transaction: write "
+                f"`with {self._what}() as tx:` and call tx.{name} inside the block")
+
+
+def transaction_context(what: str) -> Callable[[Callable[_P, Iterator[_T]]],
+                                              Callable[_P, TransactionContext[_T]]]:
+    """``@contextmanager`` for ``transaction()`` methods: returns a :class:`TransactionContext`
+    (named ``what`` in its misuse message)."""
+    def decorate(fn: Callable[_P, Iterator[_T]]) -> Callable[_P, TransactionContext[_T]]:
+        managed = contextmanager(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> TransactionContext[_T]:
+            return TransactionContext(managed(*args, **kwargs), what)
+        return wrapper
+    return decorate
 
 
 class PhaseHooks:
@@ -556,7 +604,7 @@ class DualWriter:
             return "moved" if moved else "lost"
         return "intact" if stored == generation else "claimed"
 
-    @contextmanager
+    @transaction_context("writer.transaction")
     def transaction(self) -> Iterator[DualWriteTransaction]:
         """One atomic unit: rows written with ``tx.connection`` and records from ``tx.produce``.
 

@@ -253,9 +253,17 @@ class GuardedConnection(Connection):
         super().close()
 
     def invalidate(self, exception: BaseException | None = None) -> None:
-        # SQLAlchemy itself invalidates a connection whose driver reported a disconnect: the
-        # transaction is lost already, and the writer reports that (DatabaseUnreachableError).
-        if not isinstance(exception, self.dialect.loaded_dbapi.Error):
+        # SQLAlchemy itself invalidates a connection whose driver reported a disconnect (the
+        # transaction is lost already, and the writer reports that: DatabaseUnreachableError),
+        # and one whose statement an exit exception interrupted (KeyboardInterrupt, a task's
+        # cancellation): that exception goes on, the transaction abandoned.
+        if exception is not None and not isinstance(exception, Exception):
+            if self._lent_to_the_block() and self._misuse is None:
+                self._misuse = TransactionStateError(
+                    f"tx.connection: a statement was interrupted ({type(exception).__name__}) "
+                    "and its connection invalidated; the transaction is abandoned: nothing of "
+                    "it commits")
+        elif not isinstance(exception, self.dialect.loaded_dbapi.Error):
             self._guard("invalidate()", ends=True)
         super().invalidate(exception)
 

@@ -93,7 +93,7 @@ def pooler_error(engine: Engine, moved: str) -> FatalError:
         f"transaction ({moved}): dualwrite's writer leases are session advisory locks and need "
         "a server session per client connection. Connect dualwrite directly to PostgreSQL, or "
         "through a pooler in session pooling mode (PgBouncer pool_mode = session); see "
-        "README.md, \"Connection poolers\"")
+        "docs/operating.md, \"Connection poolers\"")
 
 
 class Lease:

@@ -65,6 +65,7 @@ from dualwrite.writer.dual_writer import (
     DualWriteTransaction,
     HeuristicHook,
     PhaseHooks,
+    transaction_context,
 )
 from dualwrite.writer.handle import GuardedConnection
 from dualwrite.writer.state_store import StateStore
@@ -547,8 +548,8 @@ class DualWriterPool:
         if isinstance(exc, str):
             log.warning("writer pool: transactional_id=%s closed: %s", slot.tid, exc)
         else:
-            log.warning("writer pool: transactional_id=%s replaced after %s: %s", slot.tid,
-                        type(exc).__name__, exc)
+            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            log.warning("writer pool: transactional_id=%s replaced after %s", slot.tid, why)
         if writer is not None:
             try:
                 writer.close()
@@ -587,7 +588,7 @@ class DualWriterPool:
                 self._free.append(slot)
             self._free_changed.notify_all()
 
-    @contextmanager
+    @transaction_context("pool.transaction")
     def transaction(self) -> Iterator[DualWriteTransaction | GroupedTransaction]:
         """One request, atomic on both sides (class docstring)."""
         if self._group_commit:
@@ -675,10 +676,18 @@ class DualWriterPool:
     def _request(self) -> Iterator[GroupedTransaction | DualWriteTransaction]:
         req = _Request()
         self._requests.put(req)
-        if not req.turn.wait(self._acquire_timeout_s) and req.abandon():
-            raise RetriableError(f"writer pool {self._prefix}: no group took the request "
-                                 f"within {self._acquire_timeout_s:g} s")
-        req.turn.wait()
+        try:
+            if not req.turn.wait(self._acquire_timeout_s) and req.abandon():
+                raise RetriableError(f"writer pool {self._prefix}: no group took the request "
+                                     f"within {self._acquire_timeout_s:g} s")
+            req.turn.wait()
+        except BaseException as exc:  # interrupted (Ctrl-C) while waiting for its turn
+            if not isinstance(exc, RetriableError) and not req.abandon():
+                # A group took it: end its block now, as failed, or the group's thread would
+                # wait for it forever (and close() for that thread).
+                req.body_error = exc
+                req.work.put(None)
+            raise
         if req.handle is None:  # the group failed before this request's turn
             assert req.error is not None
             raise req.error
@@ -886,26 +895,46 @@ class DualWriterPool:
             for slot in idle:
                 self._retire(slot, "its id was taken by another process")
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Wait (up to ``timeout_s``) for running requests, close every writer, release the
-        ids. Idempotent."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait (up to ``timeout_s``, default the pool's ``timeout_s``) for running requests
+        and the writers' threads, close every writer, release the ids. Idempotent. A close
+        that took longer than a second logs what it waited for."""
+        started = time.monotonic()
+        budget: float = self._writer_kw["timeout_s"] if timeout_s is None else timeout_s
+        deadline = started + budget
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            deadline = time.monotonic() + timeout_s
             while self._busy and time.monotonic() < deadline:
                 self._free_changed.wait(deadline - time.monotonic())
+            busy = self._busy
+        waited = {"running requests": time.monotonic() - started}
         for _ in self._drivers:
             self._requests.put(_STOP)
+        mark = time.monotonic()
         for t in self._drivers:
             t.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in self._drivers if t.is_alive()]
+        waited["the writers' threads"] = time.monotonic() - mark
+        mark = time.monotonic()
         self._stop_keeper.set()
-        self._keeper.join()
+        self._keeper.join(max(0.0, deadline - time.monotonic()))
+        waited["the slot keeper"] = time.monotonic() - mark
+        mark = time.monotonic()
         self._close_writers()
         self._slots.release_all()
         self._usage.close()
-        log.info("writer pool %s closed", self._prefix)
+        waited["closing the writers"] = time.monotonic() - mark
+        took = time.monotonic() - started
+        if took > 1.0 or busy or stuck:
+            log.warning("writer pool %s closed in %.2f s (timeout %g s): waited %s%s%s",
+                        self._prefix, took, budget,
+                        ", ".join(f"{s:.2f} s for {what}" for what, s in waited.items()),
+                        f"; {busy} requests still running" if busy else "",
+                        f"; threads still running: {', '.join(stuck)}" if stuck else "")
+        else:
+            log.info("writer pool %s closed in %.2f s", self._prefix, took)
 
     def _close_writers(self) -> None:
         for slot in getattr(self, "_all", []):
