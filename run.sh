@@ -45,7 +45,10 @@ install_python() {
     say "creating $VENV and installing dualwrite[dev,spark,service,metrics,asyncio,mariadb] (pinned by constraints.txt)"
     python3 -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev,spark,service,metrics,asyncio,mariadb]"
+    # setuptools warns on every editable install of a flat layout (a folder named like the
+    # package may shadow it: here it is the package); that one warning only.
+    PYTHONWARNINGS="ignore:Editable installation" \
+        "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev,spark,service,metrics,asyncio,mariadb]"
     touch "$stamp"
 }
 

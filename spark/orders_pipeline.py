@@ -61,7 +61,7 @@ class PipelineConfig:
     bootstrap: str
     db: str = DEFAULT_DB
     topic: str = "orders-enriched"
-    table: str = "orders"
+    table: str = "orders_enriched"  # not `orders`: the README's own table has other columns
     sink_id: str = "orders-pipeline"
     checkpoint: str = "checkpoints/orders-pipeline"
     kafka_only: bool = False
@@ -164,7 +164,7 @@ def enrich(events: DataFrame, partitions: int) -> DataFrame:
 
 # -- the database and the topic ----------------------------------------------------------------
 
-def orders_table(metadata: Any, name: str = "orders") -> Any:
+def orders_table(metadata: Any, name: str = "orders_enriched") -> Any:
     import sqlalchemy as sa
 
     return sa.Table(
@@ -180,7 +180,7 @@ def orders_table(metadata: Any, name: str = "orders") -> Any:
     )
 
 
-def ensure_orders_table(db_url: str, name: str = "orders") -> None:
+def ensure_orders_table(db_url: str, name: str = "orders_enriched") -> None:
     """Create the orders table unless it exists."""
     import sqlalchemy as sa
 

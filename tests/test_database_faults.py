@@ -30,7 +30,12 @@ import dualwrite
 from dualwrite import DatabaseUnreachableError, DualWriter, LockTimeoutError
 from dualwrite.database import database_error, normalize_url
 from dualwrite.dev import LocalPostgres
-from dualwrite.errors import FatalError, MigrationRequiredError, TransactionConflictError
+from dualwrite.errors import (
+    ConfigurationError,
+    FatalError,
+    MigrationRequiredError,
+    TransactionConflictError,
+)
 from dualwrite.writer import StateStore
 from tests import test_recipe
 from tests._db_helpers import pg_ctl, private_postgres
@@ -106,7 +111,9 @@ def _pg_error(sqlstate: str | None, text: str = "boom", *, invalidated: bool = F
     ("42703", False, MigrationRequiredError),     # undefined_column
     ("23505", False, FatalError),                 # unique_violation
     ("42501", False, FatalError),                 # insufficient_privilege
-    ("28P01", False, FatalError),                 # invalid_password
+    ("28P01", False, ConfigurationError),         # invalid_password: exit 2, not retried
+    ("28000", False, ConfigurationError),         # invalid_authorization_specification
+    ("3D000", False, ConfigurationError),         # invalid_catalog_name (no such database)
 ])
 def test_database_error_translation_table(sqlstate: str | None, invalidated: bool,
                                           expected: type[Exception]) -> None:

@@ -9,6 +9,8 @@ What a read_committed consumer sees is the only judge of "committed".
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -475,3 +477,32 @@ def test_a_socket_timeout_librdkafka_overflows_is_refused() -> None:
     with pytest.raises(ConfigurationError, match=r"socket\.timeout\.ms=3000000"):
         TwoPhaseProducer({"bootstrap.servers": "127.0.0.1:1", "transactional.id": "t",
                           "socket.timeout.ms": 3_000_000})
+
+
+def test_ctrl_c_in_a_delivery_report_reaches_the_caller(producers: Any, bootstrap: str,
+                                                        topic: str) -> None:
+    """SIGINT while flush() serves a batch of delivery reports: the KeyboardInterrupt is raised
+    out of prepare_transaction(), not lost in confluent-kafka (which then raised a bare
+    SystemError, taken for a broken session and retried, so a service's Ctrl-C did nothing).
+    The transaction aborts and the producer goes on."""
+    p = producers()
+    p.init_transactions()
+    p.begin_transaction()
+    interrupted: list[bool] = []
+
+    def interrupt_once(err: Any, msg: Any) -> None:
+        if not interrupted:
+            interrupted.append(True)
+            os.kill(os.getpid(), signal.SIGINT)  # handled at the next report's first line
+
+    for n in range(50):  # one batch on one partition: many reports in one serving
+        p.produce(topic, b"v", key=str(n).encode(), partition=0, on_delivery=interrupt_once)
+    with pytest.raises(KeyboardInterrupt):
+        p.prepare_transaction()
+    assert interrupted
+    p.abort_transaction()
+    p.begin_transaction()
+    produce_values(p, topic, ["after"])
+    p.prepare_transaction()
+    p.commit_transaction()
+    assert read_committed(bootstrap, topic) == [b"after"]

@@ -133,7 +133,8 @@ import dualwrite as dw
 for name, db in (("sqlite", "sqlite:///dualwrite-demo.db"),
                  ("postgresql", os.environ["SCENARIO_DATABASE_URL"])):
     with dw.create_engine(db).connect() as conn:
-        print("rows", name, conn.execute(sa.text("SELECT count(*) FROM orders")).scalar())
+        print("rows", name,
+              conn.execute(sa.text("SELECT count(*) FROM orders_enriched")).scalar())
 EOF
 """
 

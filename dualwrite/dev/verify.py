@@ -12,8 +12,8 @@ __all__ = ["read_committed"]
 def read_committed(bootstrap: str, topic: str, *, timeout_s: float = 60.0
                    ) -> tuple[list[tuple[bytes | None, bytes | None]], list[int]]:
     """Every (key, value) a read_committed consumer sees in ``topic`` now, up to each
-    partition's last stable offset (no wait for open transactions), and the partitions it could
-    not read that far within ``timeout_s``."""
+    partition's last stable offset when the consumer gets there (no wait for open
+    transactions), and the partitions it could not read that far within ``timeout_s``."""
     read = read_topic({"bootstrap.servers": bootstrap}, topic, timeout_s=timeout_s,
                       wait_for_open=False)
     return list(read.records), list(read.unfinished)

@@ -42,6 +42,7 @@ from dualwrite.participant.completion import OwnerAlive, complete
 from dualwrite.participant.control_plane import ControlPlane, TxnState
 from dualwrite.participant.coordinator_link import CoordinatorLinkWatch
 from dualwrite.participant.identifiers import ProducerIdentity, TopicPartition
+from dualwrite.participant.interrupts import interrupts_kept
 from dualwrite.participant.kafka_errors import (
     ends_only_the_session,
     hides_its_cause,
@@ -353,7 +354,8 @@ class TwoPhaseProducer:
                 self._produce_when_room(topic, value, key, extra)
             self._produced += 1
             if not self._produced & 255:
-                producer.poll(0)  # serve delivery reports now and then, not per record
+                with interrupts_kept():
+                    producer.poll(0)  # serve delivery reports now and then, not per record
         except (KafkaException, SystemError, TypeError, ValueError) as exc:
             raise self._refused(exc, topic, value, key) from exc
 
@@ -568,7 +570,8 @@ class TwoPhaseProducer:
         while True:
             now = time.monotonic()
             left = started + wait_s - now
-            remaining = self._producer.flush(max(0.0, min(0.5, left)) if stall_s else left)
+            with interrupts_kept():  # a Ctrl-C in a delivery report is not lost
+                remaining = self._producer.flush(max(0.0, min(0.5, left)) if stall_s else left)
             now = time.monotonic()
             if remaining == 0 or now >= started + wait_s:
                 return remaining
@@ -684,7 +687,8 @@ class TwoPhaseProducer:
         deadline = bounded(self._timeout_s)
         while True:
             try:
-                self._producer.commit_transaction(deadline.wait_s())
+                with interrupts_kept():  # it serves delivery reports too
+                    self._producer.commit_transaction(deadline.wait_s())
                 return
             except KafkaException as exc:
                 err: KafkaError = exc.args[0]
@@ -752,7 +756,8 @@ class TwoPhaseProducer:
             return
         troubles = self._troubles_so_far()
         try:
-            self._producer.abort_transaction(within(self._timeout_s))
+            with interrupts_kept():
+                self._producer.abort_transaction(within(self._timeout_s))
         except KafkaException as exc:
             self._phase = _Phase.FAILED
             raise librdkafka_error(exc, f"abort_transaction with Kafka at {self._servers}"

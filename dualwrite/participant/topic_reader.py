@@ -130,8 +130,8 @@ def read_committed(config: Mapping[str, Any], topic: str, *, timeout_s: float = 
     its end, within ``timeout_s`` seconds.
 
     ``wait_for_open``: read past the transactions open when the read starts (each partition up
-    to its high watermark then), waiting for them to end; without it, stop at the last stable
-    offsets of the start and do not wait. ``on_record`` takes each (key, value) instead of
+    to its high watermark then), waiting for them to end; without it, stop where the consumer
+    meets each partition's end (its last stable offset then), not waiting. ``on_record`` takes each (key, value) instead of
     keeping them in :attr:`TopicRead.records` (a large topic need not fit in memory).
     ``progress`` is called after each batch with (records read, offsets to read), the second
     counting aborted records and transaction markers too.
@@ -151,9 +151,11 @@ def read_committed(config: Mapping[str, Any], topic: str, *, timeout_s: float = 
     earliest = OffsetSpec.earliest()  # type: ignore[no-untyped-call]
     start = _offsets(admin, topic, partitions, earliest, IsolationLevel.READ_UNCOMMITTED,
                      deadline)
-    level = IsolationLevel.READ_UNCOMMITTED if wait_for_open else IsolationLevel.READ_COMMITTED
     latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
-    end = _offsets(admin, topic, partitions, latest, level, deadline)
+    # The high watermarks, also without wait_for_open: a transaction just committed may not
+    # have its markers on the partition yet (EndTxn returns before they are written), so the
+    # last stable offset taken now could leave out what its caller just committed.
+    end = _offsets(admin, topic, partitions, latest, IsolationLevel.READ_UNCOMMITTED, deadline)
     total = sum(max(0, end[p] - start[p]) for p in partitions)
     log.debug("reading topic %s read_committed: %d partitions, offsets %s to %s", topic,
               len(partitions), start, end)
@@ -181,6 +183,8 @@ def read_committed(config: Mapping[str, Any], topic: str, *, timeout_s: float = 
                 elif err.code() == KafkaError._PARTITION_EOF:  # at the last stable offset
                     reached[msg.partition() or 0] = max(reached[msg.partition() or 0],
                                                         msg.offset() or 0)
+                    if not wait_for_open:  # the end as it is now, open transactions or not
+                        pending.discard(msg.partition() or 0)
                 elif err.fatal() or err.code() in _STOPS_THE_READ:
                     raise librdkafka_error(KafkaException(err), f"reading topic {topic!r}",
                                            otherwise=RetriableError)

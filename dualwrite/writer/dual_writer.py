@@ -453,21 +453,27 @@ class DualWriter:
             if lease is not None:
                 lease.release()
 
+        def clear_state(last: PreparedTxnState) -> None:
+            try:
+                self._store.compare_and_set(self._tid, str(last), "")
+            except DualWriteError as exc:  # the next start checks the anchor instead
+                log.info("could not clear the state of transactional_id=%s: %s", self._tid, exc)
+
         producer, self._producer = self._producer, None
+        last = producer.last_committed if producer is not None else None
         with contextlib.ExitStack() as steps:  # the callbacks run last to first
             steps.callback(self._helper.shutdown, wait=False)
             steps.callback(release_lease)
+            if last is not None and not last.is_empty and producer is not None \
+                    and not producer.has_open_transaction:
+                # Once the connection is gone: a transaction interrupted between its row lock
+                # and its end (a KeyboardInterrupt) holds that lock until then. The swap only
+                # applies to the state this writer committed, lease or not.
+                steps.callback(clear_state, last)
             steps.callback(self._drop_connection)
             steps.callback(self._lease_verdict)  # a check still running uses the connection
             if producer is not None:
                 steps.callback(producer.close)
-                last = producer.last_committed
-                if last is not None and not last.is_empty and not producer.has_open_transaction:
-                    try:
-                        self._store.compare_and_set(self._tid, str(last), "")
-                    except DualWriteError as exc:  # the next start checks the anchor instead
-                        log.info("could not clear the state of transactional_id=%s: %s",
-                                 self._tid, exc)
 
     def _closed_error(self) -> TransactionStateError:
         return TransactionStateError(f"transactional_id={self._tid}: the writer is closed; "
