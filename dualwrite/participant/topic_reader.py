@@ -131,8 +131,9 @@ def read_committed(config: Mapping[str, Any], topic: str, *, timeout_s: float = 
 
     ``wait_for_open``: read past the transactions open when the read starts (each partition up
     to its high watermark then), waiting for them to end; without it, stop where the consumer
-    meets each partition's end (its last stable offset then), not waiting. ``on_record`` takes each (key, value) instead of
-    keeping them in :attr:`TopicRead.records` (a large topic need not fit in memory).
+    meets each partition's end (its last stable offset then), not waiting. ``on_record`` takes
+    each (key, value) instead of keeping them in :attr:`TopicRead.records` (a large topic need
+    not fit in memory).
     ``progress`` is called after each batch with (records read, offsets to read), the second
     counting aborted records and transaction markers too.
 
