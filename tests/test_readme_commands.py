@@ -130,8 +130,10 @@ PIPELINE_ROWS = """
 import os
 import sqlalchemy as sa
 import dualwrite as dw
+# The PostgreSQL the commands used: spark/README's `dev up` exports the dev cluster's when it
+# runs one (the using-it scenario started it with --postgres), else the scenario's stays.
 for name, db in (("sqlite", "sqlite:///dualwrite-demo.db"),
-                 ("postgresql", os.environ["SCENARIO_DATABASE_URL"])):
+                 ("postgresql", os.environ["DUALWRITE_DATABASE_URL"])):
     with dw.create_engine(db).connect() as conn:
         print("rows", name,
               conn.execute(sa.text("SELECT count(*) FROM orders_enriched")).scalar())
