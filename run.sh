@@ -5,7 +5,8 @@
 #   ./run.sh test         the test suite (real Kafka 4.3.1 and 3.9.x, real PostgreSQL, SQLite)
 #   ./run.sh lint         ruff over the repository, mypy --strict over what ships or is documented
 #   ./run.sh bench        benchmarks (bench/)
-# Extra arguments go to the underlying command (e.g. ./run.sh test -k crash, ./run.sh test --soak).
+# Extra arguments go to the underlying command (e.g. ./run.sh test -k crash, ./run.sh test --soak,
+# ./run.sh test -m unit: only the tests that need no server).
 # DUALWRITE_VENV: the virtualenv (default .venv); DUALWRITE_SKIP_INSTALL=1: use it as it is.
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -6,8 +6,8 @@ Spark tasks use, 8 attempts of N/8 rows), then timed:
 - ``decide``: :meth:`DecisionLog.decide` with 8 participants, the transaction every sink's
   decision waits on (it records the decision and names the winning staged rows);
 - ``apply``: :meth:`DecisionLog.mark_completed`, the transaction after the participants' commit
-  that moves the rows into the target and deletes them from staging (until issue 21 this
-  INSERT ... SELECT ran inside the decision).
+  that moves the rows into the target and deletes them from staging, kept out of the decision
+  so that the decision's cost does not grow with the batch (docs/design.md, "Batch sinks").
 
     ./run.sh bench decision [--sizes 10000,200000,1000000] [--db-url URL]
 

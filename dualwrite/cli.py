@@ -22,12 +22,9 @@ import functools
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any, NoReturn, TypeVar
 
 import click
@@ -43,6 +40,7 @@ from dualwrite.errors import (
     HeuristicOutcomeError,
 )
 from dualwrite.participant.behaviour import check_behaviours
+from dualwrite.participant.broker_probe import ApiKey
 from dualwrite.participant.client_config import (
     LIBRDKAFKA_LOGGER,
     check_kafka_config,
@@ -52,7 +50,6 @@ from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.recovery import (
     Condition,
     OpenTransaction,
-    Outcome,
     RecoveryReport,
     RecoveryResult,
     SinkRecoveryResult,
@@ -60,6 +57,7 @@ from dualwrite.recovery import (
     recover,
     status,
 )
+from dualwrite.recovery.daemon import RecoveryDaemon
 from dualwrite.recovery.verify import VerifyReport, verify
 
 EXIT_OK = 0
@@ -230,9 +228,9 @@ def probe(bootstrap_servers: str | None, kafka_properties: str | None, timeout_s
     click.echo(f"transaction.version (finalized): {result.transaction_version}")
     click.echo(f"transaction.max.timeout.ms: {result.max_transaction_timeout_ms}")
     click.echo(f"transaction.two.phase.commit.enable: {result.two_phase_commit_enabled}")
-    for key, name in ((22, "InitProducerId"), (26, "EndTxn"), (61, "DescribeProducers"),
-                      (65, "DescribeTransactions"), (66, "ListTransactions")):
-        click.echo(f"{name:>22}: {version(key)}")
+    for key in (ApiKey.INIT_PRODUCER_ID, ApiKey.END_TXN, ApiKey.DESCRIBE_PRODUCERS,
+                ApiKey.DESCRIBE_TRANSACTIONS, ApiKey.LIST_TRANSACTIONS):
+        click.echo(f"{key.request_name:>22}: {version(key)}")
     click.echo(f"InitProducerId v6 Enable2Pc: {result.enable_2pc}")
     click.echo(f"InitProducerId v6 KeepPreparedTxn: {result.keep_prepared_txn}")
     for c in behaviours:
@@ -305,7 +303,7 @@ def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties
                              timeout_s=timeout_s, acknowledge_heuristic=acknowledge_heuristic)
             return report, status(engine, config, timeout_s=timeout_s)
 
-        _Daemon(one_pass, watch_s, max(max_backoff_s, watch_s)).run()
+        RecoveryDaemon(one_pass, watch_s, max(max_backoff_s, watch_s)).run()
         if stop_metrics is not None:
             stop_metrics()
         return
@@ -345,98 +343,6 @@ def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties
         sys.exit(EXIT_UNREACHABLE)
     if report.failed or report.failed_sinks:
         sys.exit(EXIT_UNRESOLVED)
-
-
-_FINISHED = (Outcome.COMMITTED, Outcome.ABORTED, Outcome.ALREADY_COMMITTED, Outcome.ACKNOWLEDGED)
-_HEURISTIC_KIND = {Outcome.HEURISTIC_ABORT: "abort", Outcome.OUTCOME_UNREADABLE: "unreadable"}
-
-# How long a stop signal waits for the running pass before abandoning it.
-_STOP_GRACE_S = 2.0
-
-
-class _Daemon:
-    """`recover --watch`: one pass per interval, a line per pass, metrics; stops on SIGTERM and
-    SIGINT. A failed pass (any dualwrite error: a side unreachable, a fatal one) is logged by
-    its type and retried after ``interval * 2**(failures - 1)``, at most ``max_backoff_s``."""
-
-    def __init__(self, one_pass: Callable[[], tuple[RecoveryReport, StatusReport]],
-                 interval_s: float, max_backoff_s: float) -> None:
-        self._one_pass = one_pass
-        self._interval_s = interval_s
-        self._max_backoff_s = max_backoff_s
-        self._stop = threading.Event()
-        self._heuristic_seen: set[tuple[str, str]] = set()
-
-    def run(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, _frame: self._stop.set())
-        failures = 0
-        number = 0
-        while not self._stop.is_set():
-            number += 1
-            ok, line = self._pass(number)
-            failures = 0 if ok else failures + 1
-            delay = self._interval_s if ok else min(
-                self._interval_s * 2 ** (failures - 1), self._max_backoff_s)
-            _say(line if ok else f"{line}; retrying in {delay:g} s ({failures} in a row)")
-            self._stop.wait(delay)
-        _say("stopped (signal)")
-
-    def _pass(self, number: int) -> tuple[bool, str]:
-        """One pass in a thread of its own, so that a stop signal need not wait for it; whether
-        it succeeded, and its log line."""
-        started = time.monotonic()
-        box: list[tuple[RecoveryReport, StatusReport] | BaseException] = []
-
-        def target() -> None:
-            try:
-                box.append(self._one_pass())
-            except BaseException as exc:
-                box.append(exc)
-
-        worker = threading.Thread(target=target, daemon=True, name="dualwrite-recover-pass")
-        worker.start()
-        while worker.is_alive() and not self._stop.is_set():
-            worker.join(0.2)
-        worker.join(_STOP_GRACE_S if worker.is_alive() else None)
-        if worker.is_alive():
-            # Recovery is safe to interrupt anywhere (the next run finishes what this one
-            # began); its worker threads are not daemons, so leave without waiting for them.
-            _say(f"pass {number}: stopping (signal); abandoned the running pass, the next run "
-                 "finishes it")
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(EXIT_OK)
-        elapsed = time.monotonic() - started
-        result = box[0]
-        if isinstance(result, BaseException):
-            what = (f"{type(result).__name__}: {result}" if isinstance(result, DualWriteError)
-                    else f"unexpected {type(result).__name__}")
-            metrics.recovery_pass(False, elapsed)
-            return False, f"pass {number}: error in {elapsed:.2f} s: {what}"
-        report, state = result
-        finished = [r.outcome.value for r in report.results if r.outcome in _FINISHED]
-        finished += [s.outcome.value for s in report.sinks if s.outcome in _FINISHED]
-        new_heuristic = [_HEURISTIC_KIND[r.outcome] for r in report.heuristic
-                         if (r.transactional_id, r.state) not in self._heuristic_seen]
-        self._heuristic_seen |= {(r.transactional_id, r.state) for r in report.heuristic}
-        ok = not (report.failed or report.failed_sinks)
-        metrics.recovery_pass(ok, elapsed, finished, new_heuristic)
-        in_doubt = len(state.in_doubt) + len(state.sinks_in_doubt)
-        heuristic = len(state.heuristic) + len(report.heuristic_sinks)
-        metrics.status_observed(in_doubt, heuristic,
-                                state.active_transaction_open_time_max_ms / 1000)
-        counts = {o: finished.count(o) for o in dict.fromkeys(finished)}
-        done = ", ".join(f"{k}={v}" for k, v in counts.items()) or "nothing"
-        failed = len(report.failed) + len(report.failed_sinks)
-        return ok, (f"pass {number}: {'ok' if ok else 'error'} in {elapsed:.2f} s: finished "
-                    f"{done}; in doubt {in_doubt}, heuristic {heuristic}"
-                    + (f", unresolved {failed}" if failed else ""))
-
-
-def _say(line: str) -> None:
-    """One line of the daemon's log, timestamped (stdout)."""
-    click.echo(f"{datetime.now(UTC).isoformat(timespec='seconds')} {line}")
 
 
 def _sink_line(s: SinkRecoveryResult) -> str:

@@ -180,7 +180,7 @@ def demo() -> tuple[int, str]:
                   "--checkpoint", str(workdir / "checkpoint"), "--partitions",
                   str(args.partitions), "--rows-per-batch", str(rows), "--trigger", "0.5",
                   "--conf", "spark.ui.enabled=false",
-                  # Short-lived driver JVMs: C1 only and the serial GC start ~2x faster.
+                  # Short-lived driver JVMs: C1 only and the serial GC start faster.
                   "--conf", f"spark.driver.extraJavaOptions={SHORT_JVM}"]
         engine = dw.create_engine(db)
 

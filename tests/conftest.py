@@ -11,7 +11,7 @@ Environment variables:
   CREATE/DROP DATABASE and KILL of its own sessions).
 - ``DUALWRITE_TEST_KAFKA_VERSION`` / ``DUALWRITE_TEST_KAFKA39_VERSION``: versions to start.
 - ``DUALWRITE_TEST_COMPAT_VERSIONS``: comma-separated Kafka versions of the compatibility tier
-  (tests/test_compat.py); each is started once, alone, while its tests run.
+  (tests/participant/test_compat.py); each is started once, alone, while its tests run.
 - ``DUALWRITE_TEST_BACKEND``: ``auto`` (default), ``jars`` or ``docker``.
 
 ``kafka3`` always starts a local 3-broker cluster (its tests kill and restart brokers).
@@ -39,7 +39,7 @@ from dualwrite.dev import (
     LocalPostgres,
 )
 from dualwrite.dev.kafka_cluster import Backend
-from tests._db_helpers import fresh_mariadb_database, fresh_schema
+from tests.support.db import fresh_mariadb_database, fresh_schema
 
 KAFKA_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA_VERSION", "4.3.1")
 KAFKA39_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA39_VERSION", "3.9.2")
@@ -72,8 +72,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     parser.addoption(
         "--compat-full", action="store_true", default=False,
-        help="run the whole compatibility tier (tests/test_compat.py) on every version, "
-             "not only its quick form",
+        help="run the whole compatibility tier (tests/participant/test_compat.py) on every "
+             "version, not only its quick form",
     )
 
 

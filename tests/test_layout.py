@@ -11,6 +11,8 @@ import pytest
 
 import dualwrite
 
+pytestmark = pytest.mark.unit
+
 PACKAGE = Path(dualwrite.__file__).resolve().parent
 
 # What each part of the library may import from dualwrite (besides itself and ``errors``).

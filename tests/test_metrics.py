@@ -34,16 +34,16 @@ from dualwrite.cli import main
 from dualwrite.errors import BatchHeuristicAbortError, HeuristicAbortError, RetriableError
 from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.writer import PhaseHooks
-from tests._db_helpers import fresh_schema
-from tests._kafka_helpers import closed_port, read_committed, unique
-from tests.test_recover_watch import (
-    ROOT,
+from tests.recovery.test_recover_watch import (
     SECRET,
     crash_after_db_commit,
     daemon,
     with_password,
-    worker_env,
 )
+from tests.support import REPO_ROOT
+from tests.support.db import fresh_schema
+from tests.support.kafka import closed_port, read_committed, unique
+from tests.support.workers import worker_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -190,6 +190,7 @@ def test_a_heuristic_abort_counts_once(pg: str, bootstrap: str, topic: str) -> N
     assert (counted()[0] - before[0], counted()[1] - before[1]) == (1, 1)
 
 
+@pytest.mark.unit
 def test_outcome_labels_and_the_sink_decorator() -> None:
     """Pure logic: which outcome each error means, and that a batch sink's finish counts."""
     assert metrics.outcome_of(None) == "committed"
@@ -253,7 +254,7 @@ def test_nothing_recorded_and_nothing_fails_without_prometheus_client(
         pg: str, bootstrap: str, topic: str) -> None:
     run = subprocess.run([sys.executable, "-c", WITHOUT_PROMETHEUS, pg, bootstrap, topic,
                           unique("no-prom")], capture_output=True, text=True, env=worker_env(),
-                         cwd=ROOT, timeout=120, check=False)
+                         cwd=REPO_ROOT, timeout=120, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "exposition: metrics need prometheus_client: pip install 'dualwrite[metrics]'" \
         in run.stdout

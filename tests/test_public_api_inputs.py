@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import dualwrite
 from dualwrite import DualWriter, PreparedTxnState
 from dualwrite.cli import main as cli
-from tests._kafka_helpers import read_committed
+from tests.support.kafka import read_committed
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -67,6 +67,7 @@ def _only_dualwrite_errors(call: Any, seen: list[str] | None = None) -> Any:
         return None
 
 
+@pytest.mark.unit
 @QUICK
 @given(engine=urls, bootstrap=bootstraps, tid=st.one_of(st.text(max_size=10), anything),
        timeout_s=timeouts, verify=st.one_of(st.sampled_from(["auto", "always"]), anything),
@@ -84,6 +85,7 @@ def test_dual_writer_constructor(engine: Any, bootstrap: Any, tid: Any, timeout_
         writer.close()
 
 
+@pytest.mark.unit
 @QUICK
 @given(url=urls)
 def test_create_engine(url: Any) -> None:
@@ -93,6 +95,7 @@ def test_create_engine(url: Any) -> None:
         engine.dispose()
 
 
+@pytest.mark.unit
 @QUICK
 @given(text=st.one_of(
     st.text(max_size=60), anything,

@@ -51,12 +51,7 @@ from dualwrite.errors import (
     RecoverableError,
     RetriableError,
 )
-from dualwrite.participant.completion import (
-    complete,
-    end_open_transaction,
-    names_open_transaction,
-    prefetch,
-)
+from dualwrite.participant.completion import Completion
 from dualwrite.participant.control_plane import ControlPlane, TxnState
 from dualwrite.participant.outcome import Outcome
 from dualwrite.participant.prepared_state import PreparedTxnState
@@ -140,6 +135,7 @@ class BatchCoordinator:
         self._owns_cp = control_plane is None
         self._cp = control_plane or ControlPlane(kafka_config, timeout_s=timeout_s)
         self._timeout_s = timeout_s
+        self._completion = Completion(self._cp, self._config, timeout_s=timeout_s)
         self._pool = ThreadPoolExecutor(parallelism, thread_name_prefix=f"dualwrite-{sink_id}")
         self._pattern = pool_pattern(sink_id)
         self._hooks = hooks or CoordinatorHooks()
@@ -247,10 +243,10 @@ class BatchCoordinator:
         states = {p.transactional_id: p.state for p in participants}
         if not states:
             return
-        found = prefetch(self._cp, states)
+        found = self._completion.prefetch(states)
         lost = [tid for tid, state in states.items()
                 if (desc := found.descriptions.get(tid)) is None
-                or not names_open_transaction(self._cp, desc, state, found)]
+                or not self._completion.names_open_transaction(desc, state, found)]
         if lost:
             raise RetriableError(
                 f"sink {self.sink_id!r}: participants {lost} are no longer open as prepared "
@@ -325,8 +321,7 @@ class BatchCoordinator:
     def _complete(self, p: Participant) -> Outcome | HeuristicAbortError:
         state = p.state
         try:
-            return complete(self._cp, self._config, p.transactional_id, state,
-                            timeout_s=self._timeout_s)
+            return self._completion.complete(p.transactional_id, state)
         except HeuristicAbortError as exc:
             log.error("sink=%s transactional_id=%s producer_id=%d epoch=%d heuristic abort: %s",
                       self.sink_id, p.transactional_id, state.producer_id, state.epoch,
@@ -365,7 +360,7 @@ class BatchCoordinator:
         empty = PreparedTxnState.empty()
 
         def abort(tid: str) -> str | None:
-            done, _ = end_open_transaction(self._cp, tid, empty, timeout_s=self._timeout_s)
+            done, _ = self._completion.end_open_transaction(tid, empty)
             if done is Outcome.ABORTED:
                 log.info("sink=%s aborted lingering transactional_id=%s", self.sink_id, tid)
                 return tid

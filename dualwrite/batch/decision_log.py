@@ -19,13 +19,10 @@ become visible to the table's readers at that commit, as the records do at their
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
-import os
 import re
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -37,12 +34,11 @@ import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
 from dualwrite.database import (
-    advisory_keys,
+    SINK_LOCKS,
+    SessionLocks,
+    backend_for,
     database_error,
-    is_mysql,
-    lock_folder,
     transaction,
-    try_file_lock,
 )
 from dualwrite.database.schema import BATCH_PARTICIPANT as _PARTICIPANTS
 from dualwrite.database.schema import BATCH_SINK as _SINKS
@@ -138,8 +134,9 @@ class DecisionLog:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._lock_dir = lock_folder(engine, ".dualwrite-sinks")
-        """SQLite file: where the sinks' decision-lock files live (see :meth:`_file_lock`)."""
+        self._locks = SessionLocks(engine, SINK_LOCKS)
+        """The sinks' decision locks: see :meth:`_file_lock`, :meth:`_session_lock` and
+        :meth:`_lock`."""
 
     @contextmanager
     def _file_lock(self, sink_id: str, timeout_s: float) -> Iterator[None]:
@@ -151,42 +148,37 @@ class DecisionLog:
         bounded by ``timeout_s``, then :class:`LockTimeoutError`; the kernel drops the lock
         when the process dies.
         """
-        assert self._lock_dir is not None
-        deadline = time.monotonic() + timeout_s
-        while (fd := try_file_lock(self._lock_dir, sink_id)) is None:
-            if time.monotonic() >= deadline:
-                raise LockTimeoutError(
-                    f"sink {sink_id!r}: the decision lock stayed held by another process (the "
-                    f"sink's driver or `dualwrite recover`) for {timeout_s:g} s; retry")
-            time.sleep(0.02)
+        if not self._locks.wait_file(sink_id, timeout_s):
+            raise LockTimeoutError(
+                f"sink {sink_id!r}: the decision lock stayed held by another process (the "
+                f"sink's driver or `dualwrite recover`) for {timeout_s:g} s; retry")
         try:
             yield
         finally:
-            os.close(fd)  # releases the lock
+            self._locks.give_back(sink_id)
 
     @contextmanager
     def _session_lock(self, sink_id: str, timeout_s: float) -> Iterator[Connection | None]:
-        """MariaDB: the sink's decision lock, a user lock (``GET_LOCK``) of a connection of its
-        own, yielded for the locked transaction to run on; released after that transaction
-        ended, so a session that waits for it sees the outcome of a COMMIT still in flight (as
-        PostgreSQL's transaction-level advisory lock does). None on other databases.
+        """A server without transaction-level locks (MariaDB): the sink's decision lock, a
+        session lock (``GET_LOCK``) of a connection of its own, yielded for the locked
+        transaction to run on; released after that transaction ended, so a session that waits
+        for it sees the outcome of a COMMIT still in flight (as PostgreSQL's transaction-level
+        advisory lock does). None on other databases.
         """
-        if not is_mysql(self.engine):
+        if not self._locks.on_server or self._locks.backend.transaction_locks:
             yield None
             return
-        name = "dualwrite-sink-" + hashlib.sha256(sink_id.encode()).hexdigest()[:40]
         try:
             conn = self.engine.connect()
         except sa.exc.DBAPIError as exc:
             raise self._typed(exc, sink_id) from exc
         with conn:
             try:
-                got = conn.exec_driver_sql(
-                    f"SELECT GET_LOCK('{name}', {max(0.0, timeout_s):.3f})").scalar()
-                conn.commit()  # a user lock outlives the transaction
+                got = self._locks.wait(conn, sink_id, timeout_s)
+                conn.commit()  # a session lock outlives the transaction
             except sa.exc.DBAPIError as exc:
                 raise self._typed(exc, sink_id) from exc
-            if got != 1:
+            if not got:
                 raise LockTimeoutError(
                     f"sink {sink_id!r}: the decision lock stayed held by another process (the "
                     f"sink's driver or `dualwrite recover`) for {timeout_s:g} s; retry")
@@ -194,7 +186,7 @@ class DecisionLog:
                 yield conn
             finally:
                 try:
-                    conn.exec_driver_sql(f"SELECT RELEASE_LOCK('{name}')")
+                    self._locks.give_back(sink_id, conn)
                     conn.commit()
                 except sa.exc.SQLAlchemyError:
                     conn.invalidate()  # the session's end releases it
@@ -268,7 +260,7 @@ class DecisionLog:
         locked transaction; it is None on an SQLite file, whose lock is a file lock and whose
         writes under it (:meth:`mark_completed`) are short transactions of their own.
         """
-        if self._lock_dir is not None:
+        if self._locks.folder is not None:
             with self._file_lock(sink_id, timeout_s):
                 try:
                     with transaction(self.engine, read_only=True) as conn:
@@ -307,7 +299,7 @@ class DecisionLog:
         """
         now = datetime.now(UTC)
         try:
-            if self._lock_dir is not None:
+            if self._locks.folder is not None:
                 with self._file_lock(sink_id, timeout_s):
                     with transaction(self.engine, read_only=True) as conn:
                         last, completed = self._last(conn, sink_id)
@@ -378,10 +370,8 @@ class DecisionLog:
         the transaction holds the write lock already (BEGIN IMMEDIATE); an SQLite file uses
         :meth:`_file_lock` instead.
         """
-        if conn.dialect.name == "postgresql":
-            k1, k2 = advisory_keys(b"dualwrite-sink", sink_id)
-            conn.exec_driver_sql(f"SET LOCAL lock_timeout = {max(1, int(timeout_s * 1000))}")
-            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(k1, k2)))
+        if self._locks.backend.transaction_locks:
+            self._locks.lock_for_transaction(conn, sink_id, timeout_s)
         return self._last(conn, sink_id)
 
     @staticmethod
@@ -492,8 +482,9 @@ class StagingTable:
         """Create the staging table if it does not exist (idempotent, safe concurrently).
 
         No index: it holds little more than the batch in flight (the apply deletes it), which
-        the apply reads whole, and an index on the tags made the tasks' COPY three times slower
-        (0.94 s against 3.1 s for 200k rows). An index left by an earlier version is dropped.
+        the apply reads whole, and an index on the tags would slow every task's COPY
+        (docs/benchmark-history.md, "the decision no longer copies the batch"). An index left
+        by an earlier version is dropped.
         """
         with self._transaction() as conn:
             self.table.create(conn, checkfirst=True)
@@ -503,7 +494,7 @@ class StagingTable:
     def write(self, sink_id: str, batch_id: int, attempt_key: str,
               rows: Iterable[Sequence[Any]]) -> int:
         """Stage ``rows`` (tuples in :attr:`columns` order) for one task attempt; returns count."""
-        if self.engine.dialect.name == "postgresql":
+        if backend_for(self.engine).copy_from_client:
             return self._copy(sink_id, batch_id, attempt_key, rows)
         tags = (sink_id, batch_id, attempt_key)
         with self._transaction() as conn:
@@ -532,7 +523,7 @@ class StagingTable:
         that is not decided are never applied, so partial staging is harmless).
         """
         tags = (sink_id, batch_id, attempt_key)
-        if self.engine.dialect.name != "postgresql":
+        if not backend_for(self.engine).copy_from_client:
             def insert(batch: pa.RecordBatch) -> int:
                 # A transaction per batch: SQLite's one write lock is not held while the task
                 # produces to Kafka, so the other tasks stage meanwhile.

@@ -6,8 +6,8 @@ socket down at the deadline. psycopg names its socket publicly (``pgconn.socket`
 not, and its only client-side bound, ``read_timeout``, applies to every read of the connection, so
 it would also cut an application's own long statement on ``tx.connection``. PyMySQL keeps the
 socket in ``Connection._sock`` (None once closed), as every release since 0.x has.
-tests/test_mariadb.py checks this against a real server, and the bounded COMMIT there fails if a
-release renames it: the wait would be unbounded again, not silently.
+tests/database/test_mariadb.py checks this against a real server, and the bounded COMMIT
+there fails if a release renames it: the wait would be unbounded again, not silently.
 
 No other dualwrite module may use PyMySQL's underscore names.
 """

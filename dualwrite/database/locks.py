@@ -1,9 +1,5 @@
-"""Cross-process locks beside the database: PostgreSQL advisory-lock keys and SQLite lock files.
-
-Writer leases (``dualwrite.writer.lease``) and the batch sinks' decision lock
-(``dualwrite.batch.decision_log``) both lock a name for as long as a process lives; these are the
-primitives they share, so that both use the same keys, folders and file names.
-"""
+"""The primitives under :mod:`dualwrite.database.session_locks`: PostgreSQL advisory-lock keys
+and SQLite lock files."""
 
 from __future__ import annotations
 
@@ -12,11 +8,9 @@ import hashlib
 import os
 from pathlib import Path
 
-from sqlalchemy import Engine
-
 from dualwrite.errors import FatalError
 
-__all__ = ["advisory_keys", "lock_folder", "try_file_lock"]
+__all__ = ["advisory_keys", "try_file_lock"]
 
 
 def advisory_keys(namespace: bytes, name: str) -> tuple[int, int]:
@@ -25,18 +19,6 @@ def advisory_keys(namespace: bytes, name: str) -> tuple[int, int]:
     digest = hashlib.sha256(namespace + b"\0" + name.encode()).digest()
     return (int.from_bytes(digest[:4], "big", signed=True),
             int.from_bytes(digest[4:8], "big", signed=True))
-
-
-def lock_folder(engine: Engine, suffix: str) -> Path | None:
-    """The folder beside an SQLite database file for its lock files (``<db><suffix>``); None
-    for another database or an in-memory one (one process: nothing to lock against)."""
-    if engine.dialect.name != "sqlite":
-        return None
-    database = engine.url.database
-    if not database or database == ":memory:" or database.startswith("file:"):
-        return None
-    db = Path(database).resolve()
-    return db.with_name(db.name + suffix)
 
 
 def try_file_lock(folder: Path, name: str) -> int | None:

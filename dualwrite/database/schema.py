@@ -2,7 +2,8 @@
 
 :data:`METADATA` is what the migrations in ``dualwrite/database/migrations`` create (their
 ``target_metadata``); the state store, the decision log and :func:`~dualwrite.database.check_schema`
-use these definitions, and ``tests/test_schema.py`` checks that a migrated database matches them.
+use these definitions, and ``tests/database/test_schema.py`` checks that a migrated database
+matches them.
 A new column goes into both a new migration and this module.
 """
 
@@ -45,7 +46,7 @@ MAX_LENGTH = 255
 MAX_SINK_ID = 200
 
 #: The state row's ``updated_at``: on MariaDB ``DATETIME(6)`` (microseconds), because there it
-#: is also the row's version, which every write raises (see StateStore.commit_status).
+#: is also the row's version, which every write raises (see CommitInquiry.commit_status).
 UPDATED_AT_TYPE = sa.DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql",
                                                            "mariadb")
 

@@ -1,10 +1,10 @@
 """franz-go's kfake, an independent implementation of the Kafka protocol, as a local broker.
 
 dualwrite is checked against a second Kafka-compatible implementation besides Apache Kafka
-(``dualwrite dev up --flavour kfake``, ``tests/test_alt_broker.py``). kfake is a Go library:
-the tiny program beside this module (``kfake/main.go``, pinned by its ``go.mod``/``go.sum``)
-is built once with ``go build`` (modules from the Go module proxy) and cached under
-``$DUALWRITE_HOME/bin``, keyed by the sources' hash.
+(``dualwrite dev up --flavour kfake``, ``tests/participant/test_alt_broker.py``). kfake is a Go
+library: the tiny program beside this module (``kfake/main.go``, pinned by its
+``go.mod``/``go.sum``) is built once with ``go build`` (modules from the Go module proxy) and
+cached under ``$DUALWRITE_HOME/bin``, keyed by the sources' hash.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ DATABASE = "dualwrite"
 USER = "dualwrite"
 DOCKER_IMAGE = "postgres:16"
 
-# Durability is traded for speed: a test database needs none, and these make commits ~10x faster.
+# Durability is traded for speed: a test database needs none, and these spare each commit its
+# flush to disk.
 DEFAULT_SETTINGS: dict[str, str] = {
     "fsync": "off",
     "synchronous_commit": "off",

@@ -46,7 +46,7 @@ MECHANISM = "SCRAM-SHA-512"
 ADMIN_USER = "admin"
 APP_USER = "dualwrite-app"
 GROUP_PREFIX = "dualwrite-verify-"
-"""Consumer group ids that ``completion.committed_at_anchor`` uses (``dualwrite-verify-<hex>``)."""
+"""Consumer group ids that ``anchor_reader.AnchorReader`` uses (``dualwrite-verify-<hex>``)."""
 
 ListenerProtocol = Literal["SASL_SSL", "SASL_PLAINTEXT"]
 

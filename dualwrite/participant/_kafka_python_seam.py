@@ -25,8 +25,8 @@ kafka-python is touched. What is version-sensitive is the shape of that layer (t
 ``NetworkSelector.sleep``, awaitable futures) and of the generated protocol classes (``max_version``
 keyword, ``InitProducerIdRequest[6]``, field names). kafka-python marks this layer as in transition
 (``KafkaNetClient`` is a "compat" shim), so the range below is checked at import, and
-tests/test_kafka_python_seam.py exercises every function here against a real broker: an upgrade that
-renames or reshapes any of it fails there, loudly, not in a recovery.
+tests/participant/test_kafka_python_seam.py exercises every function here against a real
+broker: an upgrade that renames or reshapes any of it fails there, loudly, not in a recovery.
 
 No other dualwrite module may import ``kafka.net`` or use kafka-python's underscore names.
 """
@@ -56,7 +56,8 @@ __all__ = [
 
 T = TypeVar("T")
 
-# The kafka-python versions this module was checked against (tests/test_kafka_python_seam.py).
+# The kafka-python versions this module was checked against
+# (tests/participant/test_kafka_python_seam.py).
 # Keep in step with the kafka-python requirement in pyproject.toml.
 SUPPORTED_KAFKA_PYTHON = ">=3.0.12,<3.1"
 _MIN_VERSION = (3, 0, 12)

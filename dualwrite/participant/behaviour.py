@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dualwrite.errors import DualWriteError
-from dualwrite.participant.completion import committed_at_anchor
+from dualwrite.participant.anchor_reader import AnchorReader
 from dualwrite.participant.control_plane import ControlPlane, TxnState
 from dualwrite.participant.identifiers import TopicPartition
 from dualwrite.participant.kafka_errors import FencedKafkaError
@@ -97,8 +97,8 @@ def check_behaviours(config: Mapping[str, Any], topic: str, *, timeout_s: float 
             return got == TxnState.COMPLETE_ABORT.value, f"state {got}"
 
         def hidden() -> tuple[bool, str]:
-            committed = committed_at_anchor(config, tp, anchor.offset, timeout_s,
-                                            transactional_id=tid, state=str(state))
+            committed = AnchorReader(config).committed(tp, anchor.offset, timeout_s,
+                                                       transactional_id=tid, state=str(state))
             return not committed, "hidden" if not committed else "visible to read_committed"
 
         def fenced() -> tuple[bool, str]:

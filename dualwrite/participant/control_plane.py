@@ -13,7 +13,6 @@ from __future__ import annotations
 import enum
 import logging
 import re
-import socket
 import threading
 import time
 from collections import defaultdict, deque
@@ -46,6 +45,14 @@ from dualwrite.participant._kafka_python_seam import (
     end_txn_request,
     init_producer_id_request,
 )
+from dualwrite.participant.broker_probe import (
+    RESOLVE_BOUND_S,
+    ApiKey,
+    ApiRange,
+    BrokerProbe,
+    ProbeResult,
+    check_resolvable,
+)
 from dualwrite.participant.client_config import (
     authentication_failure,
     check_timeout,
@@ -60,34 +67,17 @@ from dualwrite.participant.kafka_errors import (
 
 __all__ = [
     "CONNECT_NOTICE_S",
-    "RESOLVE_BOUND_S",
     "ActiveProducer",
-    "ApiRange",
-    "BrokerProbe",
     "ControlPlane",
-    "ProbeResult",
     "TransactionDescription",
     "TransactionListing",
     "TxnState",
-    "check_resolvable",
 ]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# API keys used by the probe and for version checks.
-_FIND_COORDINATOR = 10
-_INIT_PRODUCER_ID = 22
-_END_TXN = 26
-_DESCRIBE_PRODUCERS = 61
-_DESCRIBE_TRANSACTIONS = 65
-_LIST_TRANSACTIONS = 66
-_NEEDED_APIS = ((_FIND_COORDINATOR, "FindCoordinator"), (_INIT_PRODUCER_ID, "InitProducerId"),
-                (_END_TXN, "EndTxn"), (_DESCRIBE_PRODUCERS, "DescribeProducers"),
-                (_DESCRIBE_TRANSACTIONS, "DescribeTransactions"),
-                (_LIST_TRANSACTIONS, "ListTransactions"))
-"""What recovery and status send (besides what librdkafka's transactions need)."""
 _UNKNOWN_TOPIC_OR_PARTITION = 3
 _TRANSACTIONAL_ID_NOT_FOUND = 105
 _NOT_COORDINATOR = 16
@@ -104,7 +94,7 @@ _END_TXN_WINDOW = 16
 """EndTxn requests :meth:`ControlPlane.end_transactions` keeps in flight per coordinator: well
 below the connection's ``max_in_flight_requests_per_connection`` (``_MAX_IN_FLIGHT``), past which
 kafka-python refuses a request (NodeNotReadyError, "paused") instead of queueing it, and the
-retry after it would cost a backoff (measured: 100 ids at once took 375 ms, 16 at a time 30)."""
+retry after it would cost a backoff (docs/design.md, "Measurements behind the code")."""
 
 
 class TxnState(enum.Enum):
@@ -175,147 +165,8 @@ class ActiveProducer:
     current_txn_start_offset: int | None
 
 
-@dataclass(frozen=True)
-class ApiRange:
-    min_version: int
-    max_version: int
-
-
-@dataclass(frozen=True)
-class BrokerProbe:
-    node_id: int
-    host: str
-    port: int
-    software: str
-    api_versions: Mapping[int, ApiRange]
-    finalized_features: Mapping[str, int]
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    """What a cluster can do for two-phase commit; see ``dualwrite probe``."""
-
-    brokers: tuple[BrokerProbe, ...]
-    transaction_version: int | None
-    max_transaction_timeout_ms: int | None
-    two_phase_commit_enabled: bool | None
-    init_producer_id_max_version: int | None
-    enable_2pc: str
-    keep_prepared_txn: str
-
-    @property
-    def missing(self) -> list[str]:
-        """The requests dualwrite needs that some broker does not offer, with those brokers."""
-        out = []
-        for key, name in _NEEDED_APIS:
-            lacking = [b.node_id for b in self.brokers if key not in b.api_versions]
-            if lacking:
-                out.append(f"{name} (API key {key}; broker{'s' if len(lacking) > 1 else ''} "
-                           f"{', '.join(map(str, lacking))})")
-        return out
-
-    @property
-    def supported(self) -> bool:
-        return bool(self.brokers) and not self.missing
-
-    @property
-    def verdict(self) -> str:
-        """One line: whether dualwrite works on this cluster, in which mode, or what is missing.
-
-        dualwrite runs in epoch-resume mode on every released broker: librdkafka's TV1 session
-        plus EndTxn by (producer id, epoch) and the anchor checks (docs/design.md). KIP-939's
-        KeepPreparedTxn is reported, not needed: no released broker accepts it (FACTS.md).
-        """
-        if not self.brokers:
-            return "dualwrite: not supported — no broker answered"
-        if self.missing:
-            return ("dualwrite: not supported — the brokers lack " + "; ".join(self.missing)
-                    + " (Kafka 3.0 or newer has them all)")
-        native = (" (KIP-939 KeepPreparedTxn accepted, not used yet)"
-                  if self.keep_prepared_txn.startswith("accepted") else "")
-        return (f"dualwrite: supported — epoch-resume mode (transaction.version="
-                f"{self.transaction_version}){native}")
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "supported": self.supported,
-            "missing": self.missing,
-            "verdict": self.verdict,
-            "brokers": [
-                {
-                    "node_id": b.node_id,
-                    "address": f"{b.host}:{b.port}",
-                    "software": b.software,
-                    "finalized_features": dict(b.finalized_features),
-                    "api_versions": {
-                        str(k): [v.min_version, v.max_version]
-                        for k, v in sorted(b.api_versions.items())
-                    },
-                }
-                for b in self.brokers
-            ],
-            "transaction_version": self.transaction_version,
-            "max_transaction_timeout_ms": self.max_transaction_timeout_ms,
-            "transaction_two_phase_commit_enable": self.two_phase_commit_enabled,
-            "init_producer_id_max_version": self.init_producer_id_max_version,
-            "enable_2pc": self.enable_2pc,
-            "keep_prepared_txn": self.keep_prepared_txn,
-        }
-
-
 #: After this long connecting to Kafka, say so in one log line rather than wait in silence.
 CONNECT_NOTICE_S = 2.0
-#: The longest the look-up of the bootstrap host names may take before connecting is tried
-#: anyway (a resolver that hangs is then kafka-python's to wait for, within the timeout).
-RESOLVE_BOUND_S = 5.0
-
-
-def _split_server(entry: str) -> tuple[str, int]:
-    """``host:port`` (also ``[v6]:port``, ``PROTOCOL://host:port``, a bare host) as its parts."""
-    entry = entry.strip().rsplit("://", 1)[-1]
-    host, sep, port = entry.rpartition(":")
-    if not sep or "]" in port or (host.count(":") and not host.startswith("[")):
-        host, port = entry, "9092"  # a bare host name, or a bare IPv6 address
-    try:
-        number = int(port)
-    except ValueError:
-        number = 9092
-    return host.strip("[]"), number
-
-
-def check_resolvable(servers: Sequence[str], bound_s: float = RESOLVE_BOUND_S) -> None:
-    """Look the bootstrap host names up (``socket.getaddrinfo``), all at once and for at most
-    ``bound_s``: raise :class:`BrokerUnreachableError` ("cannot resolve host ...") at once when
-    none resolves, rather than let the client retry a name that does not exist until its
-    timeout; log the ones that fail when others resolve. A look-up still running after
-    ``bound_s`` is not counted as failed."""
-    results: dict[str, str | None] = {}
-
-    def look_up(host: str, port: int) -> None:
-        try:
-            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            results[host] = None
-        except (OSError, UnicodeError) as exc:  # socket.gaierror; a label too long (IDNA)
-            results[host] = str(exc) or type(exc).__name__
-
-    hosts = dict(_split_server(s) for s in servers if s.strip())
-    threads = [threading.Thread(target=look_up, args=(h, p), daemon=True,
-                                name="dualwrite-resolve") for h, p in hosts.items()]
-    until = time.monotonic() + bound_s
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(max(0.0, until - time.monotonic()))
-    failed = {h: why for h, why in dict(results).items() if why is not None}
-    if not failed:
-        return
-    names = ", ".join(repr(h) for h in failed)
-    reason = next(iter(failed.values()))
-    if len(failed) == len(hosts):
-        raise BrokerUnreachableError(
-            f"cannot resolve host {names} ({reason}): check the host names in "
-            f"bootstrap.servers ({','.join(servers)}) and the DNS")
-    log.warning("cannot resolve Kafka bootstrap host %s (%s); trying the others", names, reason)
 
 
 class ControlPlane:
@@ -390,7 +241,7 @@ class ControlPlane:
         none are reported before it has."""
         if not self._link.api_versions_known():
             return []
-        return [f"{name} (API key {key})" for key, name in _NEEDED_APIS
+        return [f"{key.request_name} (API key {int(key)})" for key in ApiKey
                 if self._link.max_version(key) is None]
 
     def close(self) -> None:
@@ -447,7 +298,7 @@ class ControlPlane:
         unknown = [tid for tid in ids if tid not in out]
         if not unknown:
             return out
-        if (self._link.max_version(_FIND_COORDINATOR) or 0) >= 4:  # KIP-699: Kafka 3.0+
+        if (self._link.max_version(ApiKey.FIND_COORDINATOR) or 0) >= 4:  # KIP-699: Kafka 3.0+
             response = await self._send(dl, FindCoordinatorRequest(
                 key_type=CoordinatorType.TRANSACTION.value, coordinator_keys=unknown,
                 min_version=4))
@@ -583,7 +434,7 @@ class ControlPlane:
         pattern = None
         # The pattern is ListTransactions v2 (KIP-1152, Kafka 4.1+); 3.9 and 4.0 offer v1, where
         # kafka-python refuses a pattern (UNSUPPORTED_VERSION): filter on the client alone.
-        if prefix is not None and (self._link.max_version(_LIST_TRANSACTIONS) or 0) >= 2:
+        if prefix is not None and (self._link.max_version(ApiKey.LIST_TRANSACTIONS) or 0) >= 2:
             pattern = "^" + re.escape(prefix) + ".*"
         by_broker: dict[int, list[Any]] = self._call(
             self._admin.list_transactions, state_filters=[s.value for s in states],
@@ -714,8 +565,8 @@ class ControlPlane:
         at its leader, as a coordinator would (the request behind KIP-664's abort tool).
 
         Only for a transaction whose coordinator has already decided and completed it but whose
-        marker never reached ``tp`` (see :func:`completion.commit_lost_marker`): the outcome
-        written must be the coordinator's own. Needs CLUSTER_ACTION on the cluster.
+        marker never reached ``tp`` (see :meth:`completion.Completion.commit_lost_marker`): the
+        outcome written must be the coordinator's own. Needs CLUSTER_ACTION on the cluster.
         """
         verb = "commit" if commit else "abort"
         what = (f"WriteTxnMarkers({verb}) {tp} producer_id={producer_id} epoch={epoch} "
@@ -869,43 +720,19 @@ class ControlPlane:
 
         return await self._with_retries(f"InitProducerId({tid!r})", attempt, dl)
 
-    # -- probe ---------------------------------------------------------------------------------
+    # -- what the brokers offer (see broker_probe) ----------------------------------------------
 
     def probe(self, *, probe_transactional_id: str = "dualwrite-probe",
               check_2pc: bool = True) -> ProbeResult:
-        """What the cluster supports: versions, transaction.version, and KIP-939 (2PC) support.
+        """What the cluster supports (:meth:`ProbeResult.gather` through this client)."""
+        return ProbeResult.gather(self, probe_transactional_id=probe_transactional_id,
+                                  check_2pc=check_2pc)
 
-        With ``check_2pc`` it sends InitProducerId v6 on ``probe_transactional_id`` (an id no
-        application uses: it is fenced in the process) to learn whether Enable2Pc and
-        KeepPreparedTxn are accepted.
-        """
+    def broker_versions(self) -> list[BrokerProbe]:
+        """Each broker that answers ApiVersions: its address, software, API versions and
+        finalized features."""
         brokers = self._run(self._probe_brokers, self._deadline())
-        brokers = [replace(b, software=self._broker_software(b.node_id)) for b in brokers]
-        ipid = min((b.api_versions[_INIT_PRODUCER_ID].max_version for b in brokers
-                    if _INIT_PRODUCER_ID in b.api_versions), default=None)
-        tv = min((b.finalized_features.get("transaction.version", 0) for b in brokers),
-                 default=None)
-        configs = self._broker_configs(brokers[0].node_id) if brokers else {}
-        max_timeout = configs.get("transaction.max.timeout.ms")
-        # Absent before Kafka 4.1 (KIP-939): reported as None ("not known"), not False.
-        two_pc_cfg = configs.get("transaction.two.phase.commit.enable")
-        enable_2pc = keep = "not tried"
-        if check_2pc:
-            if ipid is None or ipid < 6:
-                enable_2pc = keep = (f"unsupported: brokers offer InitProducerId up to v{ipid} "
-                                     "(v6 needs unstable.api.versions.enable=true)")
-            else:
-                enable_2pc = self._try_init_v6(probe_transactional_id, True, False)
-                keep = self._try_init_v6(probe_transactional_id, True, True)
-        return ProbeResult(
-            brokers=tuple(brokers),
-            transaction_version=tv,
-            max_transaction_timeout_ms=int(max_timeout) if max_timeout else None,
-            two_phase_commit_enabled=(two_pc_cfg.lower() == "true") if two_pc_cfg else None,
-            init_producer_id_max_version=ipid,
-            enable_2pc=enable_2pc,
-            keep_prepared_txn=keep,
-        )
+        return [replace(b, software=self._broker_software(b.node_id)) for b in brokers]
 
     def init_producer_id_v6(self, transactional_id: str, *, enable_2pc: bool,
                             keep_prepared_txn: bool, transaction_timeout_ms: int = 60_000
@@ -913,14 +740,6 @@ class ControlPlane:
         """Send InitProducerId v6 (KIP-939) as is; raises the broker's error if it refuses."""
         return self._run(self._init_producer_id, transactional_id, transaction_timeout_ms, 6,
                          enable_2pc, keep_prepared_txn, self._deadline())
-
-    def _try_init_v6(self, tid: str, enable_2pc: bool, keep: bool) -> str:
-        try:
-            ident = self.init_producer_id_v6(tid, enable_2pc=enable_2pc, keep_prepared_txn=keep)
-        except Exception as exc:
-            info = getattr(exc, "info", None)
-            return f"rejected: {info.name if info else exc}"
-        return f"accepted (producer_id={ident.producer_id}, epoch={ident.epoch})"
 
     async def _probe_brokers(self, dl: Deadline) -> list[BrokerProbe]:
         """The brokers that answer ApiVersions; one that is down is left out (a cluster with a
@@ -958,7 +777,8 @@ class ControlPlane:
             return "unknown"
         return f"Apache Kafka {bvd.broker_version_str}" if bvd else "unknown"
 
-    def _broker_configs(self, node_id: int) -> dict[str, str]:
+    def broker_configs(self, node_id: int) -> dict[str, str]:
+        """The broker's configuration (DescribeConfigs); empty if it cannot be read."""
         from kafka.admin import ConfigResource, ConfigResourceType
 
         try:

@@ -1,7 +1,7 @@
 """Notices when librdkafka may have sent one EndTxn twice, from its log.
 
 librdkafka re-sends EndTxn by itself when the coordinator connection breaks or the request times
-out (measured with librdkafka 2.16.0: the application's ``commit_transaction()`` just succeeds).
+out, and the application's ``commit_transaction()`` just succeeds.
 The first copy may still reach the coordinator later — the network delayed it, or the kernel
 still retransmits it for the closed socket — and on the TV1 path librdkafka keeps one (producer
 id, epoch) for its whole session, so that copy would commit or abort the session's *next*
@@ -12,9 +12,8 @@ lines and passes every line on to the application's logger (or ``dualwrite.librd
 A request that timed out while still in the connection's out-queue was never sent: librdkafka
 says ``Timed out 0 in-flight, 0 retry-queued, 1 out-queue, 0 partially-sent requests`` and then
 ``FAIL ... 1 request(s) timed out: disconnect``, and retries the EndTxn (``_TIMED_OUT_QUEUE``).
-No copy of it can arrive late, so that pair is no trouble. Counting it was a false alarm (and a
-needless new session): seen when an EndTxn waited about a second behind the coordinator
-connection, with several writers committing at once (Kafka 4.3.1, librdkafka 2.16).
+No copy of it can arrive late, so that pair is no trouble, and counting it would start a
+needless new session (docs/design.md, "Measurements behind the code").
 """
 
 from __future__ import annotations

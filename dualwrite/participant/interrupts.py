@@ -2,10 +2,10 @@
 
 confluent-kafka serves delivery reports (and the error and log callbacks) as Python code inside
 ``flush()``. A KeyboardInterrupt raised in one of them is recorded, but the next report of the
-same batch runs over it and loses it: ``flush()`` then fails with a bare ``SystemError``
-(confluent-kafka 2.16.1; 4 of 10 Ctrl-Cs of a pool without group commit were lost that way, and
-the process went on writing). :func:`interrupts_kept` notes the signal while such a call runs,
-so that the interrupt is raised again once the call returned.
+same batch runs over it and loses it: ``flush()`` then fails with a bare ``SystemError`` and
+the process goes on writing (docs/design.md, "Measurements behind the code").
+:func:`interrupts_kept` notes the signal while such a call runs, so that the interrupt is raised
+again once the call returned.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """PreparedTxnState: the string that names one prepared Kafka transaction.
 
 KIP-939's Java client names a prepared transaction ``"<producerId>:<epoch>"``, which is unique only
-because KIP-890 part 2 bumps the epoch on every commit. librdkafka does not (FACTS: TV1 path), so
-one (producer id, epoch) spans a whole producer session. dualwrite adds an *anchor*: one partition
-the transaction wrote to and the transaction's first offset there. An offset is written once, so
-the anchor names exactly one transaction; recovery checks it against the partition leader's
-DescribeProducers (``CurrentTxnStartOffset``) and, once the transaction has ended, against what a
-read_committed consumer sees at that offset.
+because KIP-890 part 2 bumps the epoch on every commit. librdkafka does not (the TV1 path,
+docs/broker-facts.md, "Fact 3"), so one (producer id, epoch) spans a whole producer session.
+dualwrite adds an *anchor*: one partition the transaction wrote to and the transaction's first
+offset there. An offset is written once, so the anchor names exactly one transaction; recovery
+checks it against the partition leader's DescribeProducers (``CurrentTxnStartOffset``) and, once
+the transaction has ended, against what a read_committed consumer sees at that offset.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from dualwrite.participant.client_config import (
     check_timeout,
     librdkafka_config,
 )
-from dualwrite.participant.completion import OwnerAlive, complete
+from dualwrite.participant.completion import Completion, OwnerAlive
 from dualwrite.participant.control_plane import ControlPlane, TxnState
 from dualwrite.participant.coordinator_link import CoordinatorLinkWatch
 from dualwrite.participant.identifiers import ProducerIdentity, TopicPartition
@@ -95,6 +95,7 @@ class TwoPhaseProducer:
         self._owns_cp = control_plane is None
         self._cp = control_plane or ControlPlane(config, timeout_s=timeout_s)
         self._config = librdkafka_config(config)
+        self._completion = Completion(self._cp, self._config, timeout_s=timeout_s)
         if "transaction.timeout.ms" not in self._config:
             probe = self._cp.probe(check_2pc=False)
             if probe.max_transaction_timeout_ms:
@@ -163,7 +164,7 @@ class TwoPhaseProducer:
             elif self.fenced_at_coordinator():
                 return ProducerFencedError(f"{what}: {self._ids()} was fenced by a newer "
                                            "producer of the same transactional id")
-            else:  # a bare SystemError out of flush (seen in the fault suite): not a fence
+            else:  # a bare SystemError out of flush, with no fatal error behind it: not a fence
                 unexplained = True
         if unexplained or ends_only_the_session(exc):
             # Before the decision (produce, flush): nothing was decided, and the abort starts a
@@ -268,7 +269,7 @@ class TwoPhaseProducer:
         committed this is a no-op; if Kafka aborted it, :class:`HeuristicAbortError` is raised.
         ``owner_alive``: True while the producer that prepared it may still be running (then it
         is left to commit its own transaction; see
-        :func:`dualwrite.participant.completion.complete`).
+        :meth:`dualwrite.participant.completion.Completion.complete`).
         """
         if isinstance(state, str):
             state = PreparedTxnState.parse(state)
@@ -284,8 +285,7 @@ class TwoPhaseProducer:
             self.abort_transaction()
             return Outcome.ABORTED
         try:
-            outcome = complete(self._cp, self._config, self._tid, state,
-                               timeout_s=self._timeout_s, owner_alive=owner_alive)
+            outcome = self._completion.complete(self._tid, state, owner_alive=owner_alive)
         except (HeuristicAbortError, OutcomeUnreadableError):
             # Nothing is open any more: the session can start, the caller decides what to do.
             if self._phase is _Phase.AWAITING_COMPLETION:
@@ -659,8 +659,7 @@ class TwoPhaseProducer:
         happened to its transaction and stops (:class:`ProducerFencedError`).
         """
         try:
-            complete(self._cp, self._config, self._tid, state, timeout_s=self._timeout_s,
-                     only_identity=self._identity)
+            self._completion.complete(self._tid, state, only_identity=self._identity)
         except (HeuristicAbortError, OutcomeUnreadableError):
             # Nothing is open any more; a new session lets the caller go on once it has dealt
             # with the loss (complete_transaction(state) reports it again until then) — unless
@@ -776,10 +775,10 @@ class TwoPhaseProducer:
         the coordinator after the abort's EndTxn, or after an abort that sent none because no
         partition was registered yet: the transaction is open again at this epoch, Ongoing until
         the next transaction or the broker's timeout, and read_committed consumers of its
-        partitions stall meanwhile (test_first_mistakes saw it about 1 run in 10 under load).
-        A record acknowledged means its partition is registered, so once all are, the EndTxn
-        ends them all; otherwise the abort starts a new session, whose epoch fences the late
-        request.
+        partitions stall meanwhile (docs/design.md, "An abort while a partition is still being
+        added"). A record acknowledged means its partition is registered, so once all are, the
+        EndTxn ends them all; otherwise the abort starts a new session, whose epoch fences the
+        late request.
         """
         assert self._producer is not None
         failed = len(self._delivery_errors)
@@ -853,7 +852,7 @@ def _bound_socket_timeout(config: dict[str, Any], timeout_s: float) -> None:
     hour), and past 35.8 minutes the deadline wraps into the past: librdkafka's once-a-second
     timeout scan then fails whatever request is in flight or queued at that moment (``REQTMOUT
     ... Timed out ProduceRequest in flight (after 9ms)``, an AddPartitionsToTxn timed out in the
-    out-queue), disconnects and retries — about 0.5 s lost, measured as the pool's flush p99
+    out-queue), disconnects and retries: a delay for nothing, on any request
     (docs/benchmark-history.md, "the 0.5 s tail found"). So the socket timeout stays at
     librdkafka's default unless the transaction timeout is shorter (librdkafka wants it 100 ms
     below that), and no longer than the producer's ``timeout_s`` (at least 5 s): a request

@@ -3,7 +3,8 @@
 ``recover`` and ``status`` live in ``resolver``; what they return in ``report``;
 ``open_transactions`` (a cluster's unfinished transactions) in ``transactions``; the outcomes
 are the participant layer's ``Outcome`` (what ``complete`` returns), re-exported here;
-``verify`` (a table's rows against its topic's records, after an incident) in ``verify``.
+``verify`` (a table's rows against its topic's records, after an incident) in ``verify``;
+``recover --watch``'s loop in ``daemon`` (``RecoveryDaemon``).
 """
 
 from dualwrite.participant.outcome import Outcome

@@ -39,15 +39,7 @@ from dualwrite.errors import (
     OutcomeUnreadableError,
 )
 from dualwrite.participant.client_config import check_kafka_config
-from dualwrite.participant.completion import (
-    Prefetched,
-    complete,
-    end_open_transaction,
-    find_lost_commit_marker,
-    named_transaction_committed,
-    names_open_transaction,
-    prefetch,
-)
+from dualwrite.participant.completion import Completion, Prefetched
 from dualwrite.participant.control_plane import ControlPlane, TransactionDescription, TxnState
 from dualwrite.participant.outcome import Outcome
 from dualwrite.participant.prepared_state import PreparedTxnState
@@ -91,6 +83,7 @@ class RecoveryRun:
         self._leases = Leases(engine)
         self._acknowledge = acknowledge_heuristic
         self._timeout_s = timeout_s
+        self._completion = Completion(control_plane, kafka_config, timeout_s=timeout_s)
         self._parallelism = max(1, parallelism)
         self._lock = threading.Lock()
         self._aborted_first: set[str] = set()
@@ -192,7 +185,7 @@ class RecoveryRun:
                     states[tid] = PreparedTxnState.parse(text)
                 except DualWriteError as exc:
                     results[tid] = RecoveryResult(tid, text, Outcome.FAILED, str(exc))
-            prefetched = prefetch(self._cp, states)
+            prefetched = self._completion.prefetch(states)
             for tid, state in states.items():
                 results[tid] = self._resolve_one(conn, tid, state, prefetched, first_pass)
         return results
@@ -230,8 +223,7 @@ class RecoveryRun:
     def _end_open(self, tid: str, state: PreparedTxnState, prefetched: Prefetched
                   ) -> Outcome | None:
         """First pass: end the id's open transaction; None while its anchor must be checked."""
-        ended, _ = end_open_transaction(self._cp, tid, state, timeout_s=self._timeout_s,
-                                        prefetched=prefetched)
+        ended, _ = self._completion.end_open_transaction(tid, state, prefetched=prefetched)
         if ended is Outcome.ABORTED:
             with self._lock:
                 self._aborted_first.add(tid)
@@ -241,8 +233,7 @@ class RecoveryRun:
 
     def _complete(self, tid: str, state: PreparedTxnState, prefetched: Prefetched) -> Outcome:
         """Second pass: complete the state; an abort of the first pass is reported as such."""
-        done = complete(self._cp, self._config, tid, state, timeout_s=self._timeout_s,
-                        prefetched=prefetched)
+        done = self._completion.complete(tid, state, prefetched=prefetched)
         with self._lock:
             aborted_first = tid in self._aborted_first
         return Outcome.ABORTED if done is Outcome.ALREADY_COMMITTED and aborted_first else done
@@ -436,8 +427,9 @@ def _status(engine: Engine, kafka_config: Mapping[str, Any], prefix: str | None,
     with ControlPlane(kafka_config, timeout_s=timeout_s) as cp:
         described = cp.describe_transactions([r.transactional_id for r in rows]
                                              + participant_ids)
-        joined = tuple(_classify(cp, kafka_config, r, described.get(r.transactional_id),
-                                 r.transactional_id in live, timeout_s) for r in rows)
+        completion = Completion(cp, kafka_config, timeout_s=min(timeout_s, _STATUS_ANCHOR_S))
+        joined = tuple(_classify(completion, r, described.get(r.transactional_id),
+                                 r.transactional_id in live) for r in rows)
         # The sinks' pools need every open transaction, not only those matching ``prefix``.
         open_now = [d for d in describe_open(cp, prefix=None if pools else prefix, exclude=known)
                     if owner(d.transactional_id) is not None or prefix is None
@@ -461,10 +453,11 @@ def _status(engine: Engine, kafka_config: Mapping[str, Any], prefix: str | None,
     return reports.StatusReport(joined, hanging_sorted, sinks)
 
 
-def _classify(cp: ControlPlane, kafka_config: Mapping[str, Any], row: StateRow,
-              desc: TransactionDescription | None, live: bool, timeout_s: float
-              ) -> reports.InDoubt:
-    """One state row with its :class:`~dualwrite.recovery.report.Condition` and why."""
+def _classify(completion: Completion, row: StateRow, desc: TransactionDescription | None,
+              live: bool) -> reports.InDoubt:
+    """One state row with its :class:`~dualwrite.recovery.report.Condition` and why
+    (``completion``'s waits bounded for status: it answers quickly and says "could not be
+    confirmed" instead)."""
     tid, text = row.transactional_id, row.prepared_txn_state
 
     def result(condition: Condition, detail: str) -> reports.InDoubt:
@@ -483,7 +476,7 @@ def _classify(cp: ControlPlane, kafka_config: Mapping[str, Any], row: StateRow,
             return result(Condition.IN_DOUBT, f"the coordinator is writing the markers of "
                           f"{who} ({desc.state.value})")
         try:
-            named = names_open_transaction(cp, desc, state)
+            named = completion.names_open_transaction(desc, state)
         except DualWriteError as exc:  # the anchor's leader did not answer: say so, go on
             return result(Condition.IN_DOUBT, f"an open transaction of {who}; whether it is the "
                           f"stored one could not be checked ({exc}): run `dualwrite recover`")
@@ -502,8 +495,7 @@ def _classify(cp: ControlPlane, kafka_config: Mapping[str, Any], row: StateRow,
         # database COMMIT stored (recovery only what the state names), and the row keeps the
         # last stored state, so that transaction is the stored one.
         try:
-            lost = find_lost_commit_marker(cp, kafka_config, tid, state, desc,
-                                           min(timeout_s, _STATUS_ANCHOR_S))
+            lost = completion.find_lost_commit_marker(tid, state, desc)
         except (BrokerUnreachableError, DatabaseUnreachableError):
             raise
         except DualWriteError as exc:
@@ -519,8 +511,7 @@ def _classify(cp: ControlPlane, kafka_config: Mapping[str, Any], row: StateRow,
         return result(Condition.COMPLETED, "committed at the broker (CompleteCommit, same "
                       "producer id and epoch): its writer stopped without close()")
     try:
-        committed = named_transaction_committed(cp, kafka_config, tid, state, desc,
-                                                min(timeout_s, _STATUS_ANCHOR_S))
+        committed = completion.named_transaction_committed(tid, state, desc)
     except OutcomeUnreadableError as exc:
         return result(Condition.HEURISTIC, exc.detail)
     except (BrokerUnreachableError, DatabaseUnreachableError):

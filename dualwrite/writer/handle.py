@@ -51,6 +51,7 @@ from sqlalchemy.sql.elements import (
     SavepointClause,
 )
 
+from dualwrite.database import backend_for
 from dualwrite.database.driver_state import DriverTransaction, driver_transaction
 from dualwrite.database.statements import Effect, effect_of, split_statements
 from dualwrite.errors import TransactionStateError
@@ -64,7 +65,7 @@ _SAVEPOINT_CLAUSES = (SavepointClause, RollbackToSavepointClause, ReleaseSavepoi
 def statement_effects(sql: str, dialect: str) -> frozenset[Effect]:
     """The effects of the statements in ``sql`` (cached: an application sends the same texts
     again and again)."""
-    family = "mysql" if dialect in ("mysql", "mariadb") else dialect
+    family = backend_for(dialect).sql_family
     return frozenset(effect_of(s, family) for s in split_statements(sql, family))
 
 

@@ -32,8 +32,6 @@ always lock first.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -43,45 +41,20 @@ import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
 from dualwrite.database import (
-    advisory_keys,
+    LEASE_LOCKS,
+    SessionLocks,
     database_error,
-    is_mysql,
-    lock_folder,
     mask_url,
-    try_file_lock,
     unreachable_error,
 )
 from dualwrite.errors import FatalError
 
-__all__ = ["HeldLeases", "Lease", "Leases", "mysql_lock_name", "pooler_error"]
+__all__ = ["HeldLeases", "Lease", "Leases", "pooler_error"]
 
 # Engines whose connections were found to keep their server session (see check_sessions).
 _SESSION_CHECKED: weakref.WeakSet[Engine] = weakref.WeakSet()
 # Rounds of that check.
 _PROBES = 3
-
-
-def _pg_lease_keys(transactional_id: str) -> tuple[int, int]:
-    """The PostgreSQL advisory-lock key pair of ``transactional_id``'s lease."""
-    return advisory_keys(b"dualwrite-lease", transactional_id)
-
-
-def _pg_lease_locks(keys: list[tuple[int, int]]) -> str:
-    """The ``pg_locks`` condition naming the lease locks of these key pairs (two-key advisory
-    locks; ``pg_locks`` shows each half as an unsigned 32-bit ``oid``)."""
-    pairs = ", ".join(f"({k1 & 0xFFFFFFFF}, {k2 & 0xFFFFFFFF})" for k1, k2 in keys)
-    return ("locktype = 'advisory' AND objsubid = 2 "
-            f"AND (classid::bigint, objid::bigint) IN ({pairs})")
-
-
-def mysql_lock_name(transactional_id: str) -> str:
-    """The MariaDB user-lock name of ``transactional_id``'s lease (at most 64 characters)."""
-    return "dualwrite-lease-" + hashlib.sha256(transactional_id.encode()).hexdigest()[:40]
-
-
-def _session_sql(engine: Engine) -> str:
-    """The statement naming the server session of a connection."""
-    return "SELECT CONNECTION_ID()" if is_mysql(engine) else "SELECT pg_backend_pid()"
 
 
 def pooler_error(engine: Engine, moved: str) -> FatalError:
@@ -104,14 +77,15 @@ class Lease:
     """
 
     def __init__(self, transactional_id: str, *, conn: Connection | None = None,
-                 fd: int | None = None, backend_pid: int | None = None) -> None:
+                 files: SessionLocks | None = None, backend_pid: int | None = None) -> None:
         self.transactional_id = transactional_id
         self.backend_pid = backend_pid
         """PostgreSQL: the server process (``pg_backend_pid()``) whose session holds the lock;
         a later transaction of the holding connection that runs on another one was moved by a
         transaction pooler (:func:`pooler_error`)."""
         self._conn = conn
-        self._fd = fd
+        self._files = files
+        """SQLite file: the locks holding the lease's file lock."""
 
     @property
     def ends_with_connection(self) -> bool:
@@ -129,9 +103,9 @@ class Lease:
         """Give the lease back. On PostgreSQL that closes the holding connection: the session
         ends and its lock with it, and nothing of an open transaction there is committed."""
         conn, self._conn = self._conn, None
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)  # closing the descriptor drops the flock
+        files, self._files = self._files, None
+        if files is not None:
+            files.give_back(self.transactional_id)
         if conn is not None:
             with contextlib.suppress(sa.exc.SQLAlchemyError):
                 conn.invalidate()
@@ -153,18 +127,16 @@ class Leases:
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        # MariaDB's session locks serve as PostgreSQL's advisory locks do.
-        self._dialect = "postgresql" if is_mysql(engine) else engine.dialect.name
-        self._mysql = is_mysql(engine)
-        self._dir = lock_folder(engine, ".dualwrite-leases")
+        self._locks = SessionLocks(engine, LEASE_LOCKS)
 
     @property
     def supported(self) -> bool:
-        return self._dialect == "postgresql" or self._dir is not None
+        return self._locks.exclusive
 
     def check_sessions(self) -> None:
         """Refuse (:class:`FatalError`) a pooler that does not keep a client on one server
-        session; PostgreSQL only, once per engine (two connections, a few short queries).
+        session; PostgreSQL and MariaDB only, once per engine (two connections, a few short
+        queries).
 
         A client connection ``a`` asks for its server's pid and ends its transaction; a second
         client ``b`` opens a transaction and asks too, then ``a`` asks again while ``b`` still
@@ -175,23 +147,23 @@ class Leases:
         session in between cannot hide it.
         """
         engine = self._engine
-        if self._dialect != "postgresql" or engine in _SESSION_CHECKED:
+        if not self._locks.on_server or engine in _SESSION_CHECKED:
             return
-        pid = _session_sql(engine)
+        pid = self._locks.session_id
         moved: str | None = None
         try:
             with engine.connect() as a, engine.connect() as b:
                 if a.connection.dbapi_connection is b.connection.dbapi_connection:
                     return  # a pool of one shared connection (StaticPool): nothing to compare
-                first = a.exec_driver_sql(pid).scalar_one()
+                first = pid(a)
                 a.commit()
                 for _ in range(_PROBES):
-                    other = b.exec_driver_sql(pid).scalar_one()  # b's transaction stays open
+                    other = pid(b)  # b's transaction stays open
                     if other == first:
                         moved = ("another client connection was served by the same server "
                                  f"session (backend {first})")
                         break
-                    again = a.exec_driver_sql(pid).scalar_one()
+                    again = pid(a)
                     a.commit()
                     b.rollback()
                     if again != first:
@@ -212,7 +184,7 @@ class Leases:
         if backend_pid is None:
             return
         try:
-            now = conn.exec_driver_sql(_session_sql(self._engine)).scalar_one()
+            now = self._locks.session_id(conn)
         except sa.exc.SQLAlchemyError as exc:
             raise database_error(exc, self._engine.url) from exc
         if now != backend_pid:
@@ -232,23 +204,13 @@ class Leases:
         ids = sorted(set(transactional_ids))
         if not ids or not self.supported:
             return {}
-        if self._mysql:
-            self.check_sessions()
-            names = [mysql_lock_name(tid) for tid in ids]
-            self._refuse_inherited_mysql(conn, names)
-            columns = ", ".join(f"GET_LOCK('{name}', 0)" for name in names)
-            *got, pid = conn.exec_driver_sql(f"SELECT {columns}, CONNECTION_ID()").one()
-            return {tid: Lease(tid, conn=conn, backend_pid=int(pid))
-                    for tid, ok in zip(ids, got, strict=True) if ok == 1}
-        if self._dialect == "postgresql":
-            self.check_sessions()
-            keys = {tid: _pg_lease_keys(tid) for tid in ids}
-            self._refuse_inherited(conn, list(keys.values()))
-            columns = ", ".join(f"pg_try_advisory_lock({k1}, {k2})" for k1, k2 in keys.values())
-            *got, pid = conn.exec_driver_sql(f"SELECT {columns}, pg_backend_pid()").one()
-            return {tid: Lease(tid, conn=conn, backend_pid=int(pid))
-                    for tid, ok in zip(ids, got, strict=True) if ok}
-        return self._try_files(ids)
+        if not self._locks.on_server:
+            return self._file_leases(ids)
+        self.check_sessions()
+        self._refuse_inherited(conn, ids)
+        taken = self._locks.take(ids, conn)
+        return {tid: Lease(tid, conn=conn, backend_pid=taken.session)
+                for tid in ids if tid in taken.names}
 
     @contextmanager
     def hold_free(self, engine: Engine, transactional_ids: Iterable[str]) -> Iterator[HeldLeases]:
@@ -263,8 +225,8 @@ class Leases:
             yield HeldLeases(frozenset(ids), None)
             return
         self.check_sessions()
-        if self._dialect != "postgresql":
-            taken = self._try_files(ids)
+        if not self._locks.on_server:
+            taken = self._file_leases(ids)
             try:
                 yield HeldLeases(frozenset(taken), None)
             finally:
@@ -287,8 +249,7 @@ class Leases:
                 yield HeldLeases(frozenset(taken), conn, pids.pop() if pids else None)
             finally:
                 try:
-                    conn.exec_driver_sql("SELECT RELEASE_ALL_LOCKS()" if self._mysql
-                                         else "SELECT pg_advisory_unlock_all()")
+                    self._locks.unlock_all(conn)
                     conn.commit()
                 except sa.exc.SQLAlchemyError:
                     conn.invalidate()  # closing the session releases them
@@ -300,53 +261,25 @@ class Leases:
         if lease.backend_pid is None or not self.supported:
             return False
         try:
-            if self._mysql:
-                name = mysql_lock_name(lease.transactional_id)
-                holder = conn.exec_driver_sql(f"SELECT IS_USED_LOCK('{name}')").scalar()
-            else:
-                keys = [_pg_lease_keys(lease.transactional_id)]
-                holder = conn.exec_driver_sql(
-                    f"SELECT pid FROM pg_locks WHERE granted AND {_pg_lease_locks(keys)}"
-                ).scalar()
+            holder = self._locks.holder(conn, lease.transactional_id)
             conn.rollback()
         except sa.exc.SQLAlchemyError as exc:
             raise database_error(exc, self._engine.url) from exc
-        return holder is not None and int(holder) == lease.backend_pid
+        return holder is not None and holder == lease.backend_pid
 
-    def _refuse_inherited(self, conn: Connection, keys: list[tuple[int, int]]) -> None:
+    def _refuse_inherited(self, conn: Connection, ids: list[str]) -> None:
         """Raise :func:`pooler_error` if ``conn``'s server session already holds one of these
         leases: the caller has taken none on this connection, so it inherited another client's
         session (a transaction pooler, or session pooling without ``DISCARD ALL`` between
-        clients), where ``pg_try_advisory_lock`` would "take" a lease its holder still uses."""
-        found = conn.exec_driver_sql(
-            "SELECT count(*), pg_backend_pid() FROM pg_locks WHERE pid = pg_backend_pid() "
-            f"AND {_pg_lease_locks(keys)}").one()
-        if found[0]:
-            raise pooler_error(
-                self._engine, f"a client connection that took no writer lease found {found[0]} "
-                f"held by its server session (backend {found[1]}), left by another client; "
-                "under session pooling, keep PgBouncer's server_reset_query = DISCARD ALL")
-
-    def _refuse_inherited_mysql(self, conn: Connection, names: list[str]) -> None:
-        """:meth:`_refuse_inherited` on MariaDB: ``IS_USED_LOCK`` names the holding session."""
-        columns = ", ".join(f"IS_USED_LOCK('{name}') = CONNECTION_ID()" for name in names)
-        *mine, pid = conn.exec_driver_sql(f"SELECT {columns}, CONNECTION_ID()").one()
-        held = sum(1 for m in mine if m)
+        clients), where taking the lock would "take" a lease its holder still uses."""
+        held, session = self._locks.held_here(conn, ids)
         if held:
+            backend = self._locks.backend
             raise pooler_error(
                 self._engine, f"a client connection that took no writer lease found {held} "
-                f"held by its server session (connection {pid}), left by another client")
+                f"held by its server session ({backend.session_noun} {session}), left by "
+                f"another client{backend.session_reset_hint}")
 
-    def _try_files(self, ids: list[str]) -> dict[str, Lease]:
-        assert self._dir is not None
-        taken: dict[str, Lease] = {}
-        try:
-            for tid in ids:
-                fd = try_file_lock(self._dir, tid)
-                if fd is not None:
-                    taken[tid] = Lease(tid, fd=fd)
-        except FatalError:
-            for lease in taken.values():
-                lease.release()
-            raise
-        return taken
+    def _file_leases(self, ids: list[str]) -> dict[str, Lease]:
+        """SQLite file: the leases of the ids whose lock files were free."""
+        return {tid: Lease(tid, files=self._locks) for tid in self._locks.take(ids).names}

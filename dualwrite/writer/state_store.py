@@ -26,7 +26,6 @@ Recovery reads states outside any writer's transaction (:meth:`StateStore.read`,
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,9 +34,10 @@ from typing import Any, NoReturn
 
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
-from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.dialects import postgresql
 
 from dualwrite.database import (
+    backend_for,
     bounded_wait,
     database_error,
     is_mysql,
@@ -46,68 +46,12 @@ from dualwrite.database import (
 )
 from dualwrite.database.schema import MAX_LENGTH, STATE_TABLE, TRANSACTION_STATE, state_table
 from dualwrite.deadline import MIN_WAIT_S, current_deadline, wait_s
-from dualwrite.errors import FatalError, TransactionStateError
+from dualwrite.errors import TransactionStateError
+from dualwrite.writer.commit_inquiry import MYSQL_SERVER_IDENTITY, SERVER_IDENTITY, CommitInquiry
 
-__all__ = ["MAX_LENGTH", "MYSQL_SERVER_IDENTITY", "SERVER_IDENTITY", "StateRow", "StateStore",
-           "writer_connection"]
+__all__ = ["MAX_LENGTH", "StateRow", "StateStore", "writer_connection"]
 
 logger = logging.getLogger(__name__)
-
-_SUPPORTED_DIALECTS = ("postgresql", "sqlite", "mysql", "mariadb")
-
-_IN_RECOVERY = "in recovery"
-#: PostgreSQL: which server process, and which history of the data, runs this statement: the
-#: WAL timeline (a promotion starts a new one), the postmaster's start time (another server, a
-#: promoted standby, a restart after a crash, which replays WAL and may hand out again
-#: transaction ids whose WAL was lost) and the shared statistics' reset time, which a crash of
-#: one backend (the OOM killer's SIGKILL) changes: the postmaster then reinitializes and replays
-#: WAL without restarting, and it is readable by any role, unlike the checkpointer's pid (an
-#: administrator's ``pg_stat_reset_shared('bgwriter')`` changes it too, which only makes the
-#: state row decide). A transaction id means the same transaction only while this stays the
-#: same. A standby in recovery has none (it runs no writes). (The system identifier would add
-#: nothing: a standby shares it, another server has another start time; and reading it costs a
-#: read of pg_control on every lock.)
-SERVER_IDENTITY = (
-    f"CASE WHEN pg_is_in_recovery() THEN '{_IN_RECOVERY}' ELSE "
-    "substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) || '/' || "
-    "pg_postmaster_start_time()::text || '/' || "
-    "coalesce(pg_stat_get_bgwriter_stat_reset_time()::text, '') END")
-
-
-#: MariaDB: which server incarnation runs this statement: host, port and start time (seconds
-#: since the epoch, from its uptime: it may read one second apart between two statements). A
-#: session id (``CONNECTION_ID()``) names one session on that incarnation only; a restarted
-#: server counts them from 1 again.
-MYSQL_SERVER_IDENTITY = (
-    "CONCAT(@@hostname, ':', @@port, '@', (SELECT UNIX_TIMESTAMP() - VARIABLE_VALUE FROM "
-    "information_schema.GLOBAL_STATUS WHERE VARIABLE_NAME = 'UPTIME'))")
-#: MariaDB: every write of a state row by dualwrite sets ``updated_at`` to this, so that each
-#: committed version of a row has a greater ``updated_at`` than every earlier one (a clock that
-#: stands still or steps back cannot repeat one): the row's version, by which the outcome of
-#: a COMMIT whose answer was lost is read (:meth:`StateStore.commit_status`).
-_MYSQL_NEXT_VERSION = "GREATEST(UTC_TIMESTAMP(6), updated_at + INTERVAL 1 MICROSECOND)"
-
-
-def _same_history(now: str, then: str | None) -> bool:
-    """Whether two :data:`SERVER_IDENTITY` readings of primaries share one WAL timeline: the
-    same server, or one restarted after a crash (no promotion in between: that starts a new
-    timeline)."""
-    if then is None or _IN_RECOVERY in (now, then):
-        return False
-    return now.partition("/")[0] == then.partition("/")[0]
-
-
-def _same_mysql_server(now: str, then: str | None) -> bool:
-    """Whether two :data:`MYSQL_SERVER_IDENTITY` readings name one server incarnation."""
-    if then is None:
-        return False
-    here, _, started = now.rpartition("@")
-    there, _, was = then.rpartition("@")
-    try:
-        return here == there and abs(float(started) - float(was)) <= 2
-    except ValueError:
-        return False
-
 
 @dataclass(frozen=True)
 class StateRow:
@@ -124,7 +68,7 @@ class StateRow:
     locked_by_xid: int | None = None
     """PostgreSQL: the id (``txid_current()``) of the transaction that locked the row, when the
     row comes from :meth:`StateStore.lock_row`; it names that one database transaction, so its
-    outcome can be asked after a failed COMMIT (:meth:`StateStore.commit_status`)."""
+    outcome can be asked after a failed COMMIT (:meth:`CommitInquiry.commit_status`)."""
     locked_by_pid: int | None = None
     """PostgreSQL, with ``locked_by_xid``: the server process (``pg_backend_pid()``) that ran
     the locking transaction; the writer compares it with its lease's. MariaDB: the session
@@ -148,16 +92,18 @@ def _check(name: str, value: str, *, allow_empty: bool) -> None:
         )
 
 
-def _lock_timeout_sql(timeout_s: float) -> str:
-    """Bounds this transaction's waits for locks (PostgreSQL's lock_timeout, in ms)."""
-    return f"SET LOCAL lock_timeout = {max(1, int(timeout_s * 1000))}"
-
-
-def _statement_timeout_sql(lock_timeout_s: float) -> str:
-    """Bounds each statement of this transaction (PostgreSQL's statement_timeout, in ms), a
-    little past ``lock_timeout_s``: a wait for a row lock ends as lock_timeout
-    (LockTimeoutError), anything else the server is stuck on as statement_timeout."""
-    return f"SET LOCAL statement_timeout = {int(lock_timeout_s * 1000 * 1.1) + 1}"
+def _wait_bounds(conn: Connection, timeout_s: float | None, *,
+                 statements: bool = False) -> list[str]:
+    """The statements bounding this transaction's waits for locks by ``timeout_s`` (and with
+    ``statements`` each statement's run, a little longer), on databases that have them
+    (PostgreSQL's lock_timeout and statement_timeout); none without a bound."""
+    if timeout_s is None:
+        return []
+    backend = backend_for(conn)
+    found = [backend.lock_timeout_sql(timeout_s)]
+    if statements:
+        found.append(backend.statement_timeout_sql(timeout_s))
+    return [sql for sql in found if sql is not None]
 
 
 #: After dualwrite's lock, the application's statements of the same transaction run under the
@@ -179,39 +125,6 @@ def _wait_bound(timeout_s: float | None) -> float | None:
     else:
         return None
     return max(MIN_WAIT_S, bound - min(0.3, bound / 10))
-
-
-def _mysql_lock_wait_s(timeout_s: float) -> int:
-    """MariaDB's innodb_lock_wait_timeout for ``timeout_s``: whole seconds, rounded down so
-    that the server answers a held lock before the client's guard gives the connection up
-    (bounded_wait), at least 1."""
-    return max(1, math.floor(timeout_s))
-
-
-def _mysql_wait_options(timeout_s: float | None) -> str:
-    """MariaDB: ``SET STATEMENT`` options bounding one statement's wait for row locks
-    (:func:`_mysql_lock_wait_s`) and its run (max_statement_time, a little longer), or
-    ``""``."""
-    if timeout_s is None:
-        return ""
-    lock_s = _mysql_lock_wait_s(timeout_s)
-    return (f"SET STATEMENT innodb_lock_wait_timeout={lock_s}, "
-            f"max_statement_time={lock_s * 1.1 + 0.5:.3f} FOR ")
-
-
-@contextmanager
-def _mysql_session_lock_wait(conn: Connection, timeout_s: float | None) -> Iterator[None]:
-    """MariaDB: the session's innodb_lock_wait_timeout set for the block (whole seconds), then
-    restored to the session's own value."""
-    if timeout_s is None or not is_mysql(conn):
-        yield
-        return
-    conn.exec_driver_sql("SET @dualwrite_lock_wait = @@SESSION.innodb_lock_wait_timeout, "
-                         f"SESSION innodb_lock_wait_timeout = {_mysql_lock_wait_s(timeout_s)}")
-    try:
-        yield
-    finally:
-        conn.exec_driver_sql("SET SESSION innodb_lock_wait_timeout = @dualwrite_lock_wait")
 
 
 def _utc(value: datetime) -> datetime:
@@ -300,17 +213,17 @@ class StateStore:
     """Reads and writes ``dualwrite_transaction_state`` (or another table of the same shape)."""
 
     def __init__(self, engine: Engine, table: str = STATE_TABLE) -> None:
-        if engine.dialect.name not in _SUPPORTED_DIALECTS:
-            raise FatalError(
-                f"dualwrite supports PostgreSQL and SQLite, not {engine.dialect.name!r}"
-            )
-        if engine.dialect.name == "sqlite" and not uses_begin_immediate(engine):
+        backend = backend_for(engine)  # FatalError for a database dualwrite does not support
+        if backend.single_writer and not uses_begin_immediate(engine):
             logger.warning(
                 "SQLite engine not made by dualwrite.database.create_engine: its transactions do "
                 "not start with BEGIN IMMEDIATE, so writers may fail with 'database is locked'"
             )
         self.engine = engine
         self.table = TRANSACTION_STATE if table == STATE_TABLE else state_table(table)
+        self.inquiry = CommitInquiry(engine, self.table)
+        """Asks what became of a transaction that locked a row, after its COMMIT got no
+        answer."""
         t = self.table
         self._columns = (t.c.transactional_id, t.c.prepared_txn_state, t.c.updated_at,
                         t.c.fencing_generation)
@@ -363,8 +276,8 @@ class StateStore:
                 with bounded_wait(conn, f"the lock of {tid!r}'s state row"):
                     found = self._lock_pipelined(conn, raw, tid, timeout_s)
             elif conn.dialect.name == "postgresql":
-                if timeout_s is not None:
-                    conn.exec_driver_sql(_lock_timeout_sql(timeout_s))
+                for bound in _wait_bounds(conn, timeout_s):
+                    conn.exec_driver_sql(bound)
                 # One round trip: the upsert takes the row lock (like FOR UPDATE) and returns the
                 # stored row unchanged.
                 upsert = (postgresql.insert(t)
@@ -380,8 +293,9 @@ class StateStore:
                 # One round trip: the upsert takes the row's exclusive lock (also when the row
                 # exists) and returns it, with the session and server that hold the lock.
                 with bounded_wait(conn, f"the lock of {tid!r}'s state row"):
-                    found = conn.exec_driver_sql(_mysql_wait_options(timeout_s)
-                                                 + self._mysql_lock_sql, (tid,)).one()
+                    found = conn.exec_driver_sql(
+                        backend_for(conn).statement_wait_options(timeout_s)
+                        + self._mysql_lock_sql, (tid,)).one()
             else:
                 conn.execute(self._insert_missing(conn, tid))
                 query = sa.select(*self._columns).where(t.c.transactional_id == tid)
@@ -405,16 +319,16 @@ class StateStore:
         t = self.table
         query = (sa.select(*self._columns)
                  .where(t.c.transactional_id.in_(ids)).order_by(t.c.transactional_id))
-        if conn.dialect.name == "postgresql" or is_mysql(conn):
+        if backend_for(conn).row_locks:
             query = query.with_for_update()  # rows are locked as the sorted scan returns them
         timeout_s = _wait_bound(timeout_s)
         try:
-            if timeout_s is not None and ids and conn.dialect.name == "postgresql":
-                # A row held by an orphaned idle-in-transaction session: LockTimeoutError
-                # within the caller's deadline, not a wait without end.
-                conn.exec_driver_sql(_lock_timeout_sql(timeout_s))
+            # A row held by an orphaned idle-in-transaction session: LockTimeoutError within
+            # the caller's deadline, not a wait without end.
+            for bound in _wait_bounds(conn, timeout_s if ids else None):
+                conn.exec_driver_sql(bound)
             with (bounded_wait(conn, "the lock of state rows"),
-                  _mysql_session_lock_wait(conn, timeout_s if ids else None)):
+                  backend_for(conn).session_lock_wait(conn, timeout_s if ids else None)):
                 found = {r[0]: _state_row(r) for r in conn.execute(query)} if ids else {}
         except sa.exc.SQLAlchemyError as exc:
             self._reraise(conn, exc)
@@ -432,7 +346,7 @@ class StateStore:
         stmt = (
             sa.update(t)
             .where(t.c.transactional_id == transactional_id)
-            .values(prepared_txn_state=state, updated_at=self._next_version(conn))
+            .values(prepared_txn_state=state, updated_at=backend_for(conn).next_version())
         )
         try:
             with bounded_wait(conn, f"the write of {transactional_id!r}'s state row"):
@@ -451,7 +365,8 @@ class StateStore:
 
         On psycopg the UPDATE and the COMMIT travel in one round trip (pipeline mode), so
         SQLAlchemy's ``commit`` event fires only after the database committed. Any error leaves
-        the outcome to be asked (the COMMIT may have been applied): :meth:`commit_status`.
+        the outcome to be asked (the COMMIT may have been applied):
+        :meth:`CommitInquiry.commit_status`.
         """
         raw = _psycopg_connection(conn)
         if raw is None:
@@ -496,9 +411,8 @@ class StateStore:
                     # A writer connection (see writer_connection): the BEGIN travels with the lock
                     # instead of making its own round trip.
                     raw.execute(_begin_statement(raw))
-                if timeout_s is not None:
-                    raw.execute(_lock_timeout_sql(timeout_s))
-                    raw.execute(_statement_timeout_sql(timeout_s))
+                for bound in _wait_bounds(conn, timeout_s, statements=True):
+                    raw.execute(bound)
                 cursor = raw.execute(self._pg_lock_sql, (transactional_id, datetime.now(UTC)))
                 if timeout_s is not None:
                     for reset in _RESET_TIMEOUTS_SQL:
@@ -521,8 +435,7 @@ class StateStore:
                       .where(t.c.transactional_id == transactional_id).scalar_subquery())
         try:
             try:
-                session = (sa.func.connection_id() if is_mysql(conn)
-                           else sa.func.pg_backend_pid())
+                session: Any = sa.literal_column(backend_for(conn).session_id_sql)
                 with bounded_wait(conn, "the lease check"):
                     found = conn.execute(sa.select(session, generation)).one()
             finally:
@@ -581,199 +494,21 @@ class StateStore:
         rows = [{"transactional_id": tid, "prepared_txn_state": "", "updated_at": now,
                  "fencing_generation": 1} for tid in ids]
         with transaction(self.engine, connection=connection) as conn:
-            stmt: Any
-            if is_mysql(conn):
-                stmt = mysql.insert(t).values(rows)
-                stmt = stmt.on_duplicate_key_update(
-                    fencing_generation=t.c.fencing_generation + 1)
-            else:
-                insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
-                # One statement; its rows are upserted (and locked) in the order given.
-                stmt = insert(t).values(rows).on_conflict_do_update(
-                    index_elements=[t.c.transactional_id],
-                    set_={"fencing_generation": t.c.fencing_generation + 1},
-                )
-            stmt = stmt.returning(t.c.transactional_id, t.c.fencing_generation)
+            # One statement; its rows are upserted (and locked) in the order given.
+            stmt = backend_for(conn).upsert(
+                t, rows, t.c.transactional_id,
+                {"fencing_generation": t.c.fencing_generation + 1},
+            ).returning(t.c.transactional_id, t.c.fencing_generation)
             try:
                 timeout_s = _wait_bound(timeout_s)
-                if timeout_s is not None and conn.dialect.name == "postgresql":
-                    conn.exec_driver_sql(_lock_timeout_sql(timeout_s))
-                    conn.exec_driver_sql(_statement_timeout_sql(timeout_s))
-                with _mysql_session_lock_wait(conn, timeout_s):
+                for bound in _wait_bounds(conn, timeout_s, statements=True):
+                    conn.exec_driver_sql(bound)
+                with backend_for(conn).session_lock_wait(conn, timeout_s):
                     claimed = {r[0]: int(r[1]) for r in conn.execute(stmt)}
             except sa.exc.SQLAlchemyError as exc:
                 self._reraise(conn, exc)
         logger.debug("claimed %s", claimed)
         return claimed
-
-    def transaction_status(self, xid: int) -> str | None:
-        """PostgreSQL's verdict on the transaction ``xid`` (:attr:`StateRow.locked_by_xid`):
-        ``"committed"``, ``"aborted"``, ``"in progress"``, or None once it is too old to know.
-
-        This names one database transaction, unlike the stored state (two transactions can
-        store the same string, and recovery may clear it in between).
-        """
-        try:
-            with transaction(self.engine, read_only=True) as conn:
-                found = conn.execute(sa.text("SELECT txid_status(:xid)"), {"xid": xid})
-                status: str | None = found.scalar_one()
-        except sa.exc.SQLAlchemyError as exc:
-            if not _in_the_future(exc):
-                raise database_error(exc, self.engine.url, table=self.table.name) from exc
-            # After a crash (pg_ctl stop -m immediate) the server's next transaction id restarts
-            # from its WAL: an id it never logged, as it would have logged the commit, is "in
-            # the future". That transaction did not commit.
-            return "aborted"
-        return status
-
-    def commit_status(self, locked: StateRow, state: str) -> str | None:
-        """The outcome of the transaction that locked ``locked`` (:meth:`lock_row`) and wrote
-        ``state`` (:meth:`write_and_commit`), after its COMMIT got no answer: ``"committed"``,
-        ``"aborted"``, ``"in progress"``, or None when it cannot be known.
-
-        The id is asked first (``txid_status``, as :meth:`transaction_status`), then the row
-        read, so that a COMMIT ending in between shows in the row. The server that locked the
-        row (:attr:`StateRow.locked_on`) is taken at its word; an id it has not reached yet was
-        never handed out there: ``"aborted"``. Another server (a failover to a standby, a crash
-        restart, a logical replica) may have given that id to another transaction, or not
-        reached it, so its verdict is not taken: the state row decides instead. Its row version
-        was written by this transaction (its ``xmin`` is this transaction's id) and holds
-        ``state`` only if this transaction committed there. On the same WAL timeline (a crash
-        restart, which replays the WAL in full, or a statistics reset) an id still running is
-        ``"in progress"`` (wait); once it has ended, and in the row's snapshot too, any other
-        version, holding another state, is ``"aborted"`` as long as the fencing generation is
-        the locked one (nobody claimed the id, so nobody wrote the row since). Otherwise None
-        (after a promotion, or a claim since, it may have committed and been overwritten).
-        """
-        if is_mysql(self.engine):
-            return self._mysql_commit_status(locked, state)
-        xid = locked.locked_by_xid
-        if xid is None:
-            raise ValueError("commit_status needs a row locked on PostgreSQL (lock_row)")
-        t = self.table
-        status: str | None = None
-        future = False
-        try:
-            with transaction(self.engine, read_only=True) as conn:
-                server = conn.exec_driver_sql(f"SELECT {SERVER_IDENTITY}").scalar_one()
-                same = server == locked.locked_on
-                trusted = same or locked.locked_on is None
-                if trusted or server != _IN_RECOVERY:  # a standby may lag: only its row counts
-                    try:
-                        with conn.begin_nested():  # "in the future" must not end the transaction
-                            status = conn.execute(sa.text("SELECT txid_status(:xid)"),
-                                                  {"xid": xid}).scalar_one()
-                    except sa.exc.SQLAlchemyError as exc:
-                        if not _in_the_future(exc):
-                            raise
-                        future = True
-                if trusted and not future:
-                    return status
-                if same:
-                    # The id came from this very server, whose ids only grow: one it has not
-                    # reached was never handed out here, so no transaction here had it.
-                    return "aborted"
-                # Read after the id's answer, with whether the transaction had ended in the
-                # snapshot the row is read in (the statement's, or under REPEATABLE READ the
-                # transaction's first; txid_status may say "committed" an instant before).
-                found: Any = conn.execute(
-                    sa.select(t.c.prepared_txn_state, sa.literal_column("xmin::text"),
-                              t.c.fencing_generation,
-                              sa.func.txid_visible_in_snapshot(
-                                  sa.bindparam("xid", xid, type_=sa.BigInteger),
-                                  sa.func.txid_current_snapshot()))
-                    .where(t.c.transactional_id == locked.transactional_id)).one_or_none()
-        except sa.exc.SQLAlchemyError as exc:
-            raise database_error(exc, self.engine.url, table=self.table.name) from exc
-        # xmin is the 32-bit transaction id; txid_current() adds an epoch above it.
-        if found is not None and found[0] == state and int(found[1]) == xid % 2**32:
-            return "committed"
-        if server == _IN_RECOVERY:
-            return None  # a standby may lag: that it lacks the transaction says nothing
-        if _same_history(server, locked.locked_on):
-            if status == "in progress":
-                # The transaction itself, if an administrator's statistics reset changed the
-                # identity under it, or one that has its id again after a crash: ask again once
-                # it has ended, and the row decides.
-                return status
-            if (found is not None and int(found[2]) == locked.fencing_generation
-                    and found[0] != state):
-                if not future and not found[3]:
-                    return "in progress"  # running in the row's snapshot: read it again
-                # A crash restart: the WAL is replayed in full (an id not reached was never
-                # logged), and no one claimed the id since; a row version not written by this
-                # transaction is the one it locked, so it did not commit. (This state in
-                # another version: a server fed by logical replication shares a timeline
-                # number, but not the transaction ids; then the row cannot tell.)
-                return "aborted"
-        logger.warning("transaction %d of transactional id %r ran on server %s, now %s "
-                       "answers: its outcome there is not this transaction's, and the state "
-                       "row does not show it", xid, locked.transactional_id,
-                       locked.locked_on, server)
-        return None
-
-    def _mysql_commit_status(self, locked: StateRow, state: str) -> str | None:
-        """:meth:`commit_status` on MariaDB, which has no transaction status to ask: the
-        transaction is named by its session and by the row version it wrote.
-
-        1. The session that ran it (:attr:`StateRow.locked_by_pid` on the server incarnation
-           :attr:`StateRow.locked_on`) must have ended, so that its transaction is decided: a
-           session still listed is killed (``KILL CONNECTION``: a COMMIT it already applied
-           stays, anything else is rolled back) and the answer is ``"in progress"`` until it is
-           gone. A restarted server ended every session.
-        2. Then the row decides. Every dualwrite write raises ``updated_at`` above its previous
-           value (:data:`_MYSQL_NEXT_VERSION`), and any other process claims the id (raises its
-           fencing generation) before it acts on it: a row whose ``updated_at`` is still the
-           locked one was not written by this transaction, which wrote it — ``"aborted"``. A
-           later ``updated_at`` with ``state`` and the locked generation was written by this
-           transaction — ``"committed"``. Anything else (claimed since, deleted) cannot be
-           known: None. On another server (a failover) only ``"committed"`` is taken: a
-           replica may lag.
-        """
-        session = locked.locked_by_pid
-        if session is None:
-            raise ValueError("commit_status needs a row locked on MariaDB (lock_row)")
-        t = self.table
-        try:
-            with transaction(self.engine) as conn:
-                server = str(conn.exec_driver_sql(
-                    f"SELECT {MYSQL_SERVER_IDENTITY}").scalar_one())
-                same = _same_mysql_server(server, locked.locked_on)
-                if same and self._mysql_session_alive(conn, session):
-                    return "in progress"
-                found = conn.execute(
-                    sa.select(t.c.prepared_txn_state, t.c.updated_at, t.c.fencing_generation)
-                    .where(t.c.transactional_id == locked.transactional_id)).one_or_none()
-        except sa.exc.SQLAlchemyError as exc:
-            raise database_error(exc, self.engine.url, table=self.table.name) from exc
-        if found is None:
-            return None
-        written = _utc(found[1]) > locked.updated_at
-        if written and found[0] == state and int(found[2]) == locked.fencing_generation:
-            return "committed"
-        if same and not written:
-            return "aborted"
-        logger.warning("transactional id %r: the state row no longer shows whether session %d's "
-                       "transaction committed (%s)", locked.transactional_id, session,
-                       "claimed or rewritten since" if same else f"server {server} answers, "
-                       f"the lock was taken on {locked.locked_on}")
-        return None
-
-    @staticmethod
-    def _mysql_session_alive(conn: Connection, session: int) -> bool:
-        """Whether MariaDB still lists ``session``; if so, kill it (its end decides its
-        transaction)."""
-        alive = conn.exec_driver_sql(
-            "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = %s",
-            (session,)).scalar_one()
-        if not alive:
-            return False
-        try:
-            conn.exec_driver_sql(f"KILL CONNECTION {int(session)}")
-        except sa.exc.DBAPIError as exc:
-            if getattr(exc.orig, "args", (None,))[0] != 1094:  # unknown thread: ended meanwhile
-                raise
-        return True
 
     def compare_and_set(self, transactional_id: str, expected: str, new: str) -> bool:
         """Set the state to ``new`` only if it is still ``expected``; True if it was set.
@@ -790,7 +525,7 @@ class StateStore:
             .where(t.c.transactional_id == transactional_id, t.c.prepared_txn_state == expected)
         )
         with transaction(self.engine) as conn:
-            stmt = stmt.values(prepared_txn_state=new, updated_at=self._next_version(conn))
+            stmt = stmt.values(prepared_txn_state=new, updated_at=backend_for(conn).next_version())
             try:
                 if expected == "":
                     conn.execute(self._insert_missing(conn, transactional_id))
@@ -828,26 +563,9 @@ class StateStore:
             "prepared_txn_state": "",
             "updated_at": datetime.now(UTC),
         }
-        if conn.dialect.name == "postgresql":
-            return postgresql.insert(self.table).values(values).on_conflict_do_nothing()
-        if is_mysql(conn):
-            return mysql.insert(self.table).values(values).prefix_with("IGNORE")
-        return sqlite.insert(self.table).values(values).on_conflict_do_nothing()
-
-    @staticmethod
-    def _next_version(conn: Connection) -> Any:
-        """The ``updated_at`` a write stores: now; on MariaDB also above the row's last one
-        (:data:`_MYSQL_NEXT_VERSION`)."""
-        if is_mysql(conn):
-            return sa.literal_column(_MYSQL_NEXT_VERSION)
-        return datetime.now(UTC)
+        return backend_for(conn).insert_missing(self.table, values)
 
     def _reraise(self, conn: Connection, exc: sa.exc.SQLAlchemyError) -> NoReturn:
         """Raise the :func:`~dualwrite.database.database_error` of ``exc`` (chained)."""
         raise database_error(exc, conn.engine.url, table=self.table.name) from exc
 
-
-def _in_the_future(exc: sa.exc.SQLAlchemyError) -> bool:
-    """PostgreSQL's refusal of ``txid_status`` for an id it has not assigned yet (22023)."""
-    orig = getattr(exc, "orig", None)
-    return getattr(orig, "sqlstate", None) == "22023" and "in the future" in str(orig)

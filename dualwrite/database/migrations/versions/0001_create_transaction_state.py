@@ -28,7 +28,7 @@ def upgrade() -> None:
         "dualwrite_transaction_state",
         sa.Column("transactional_id", sa.String(255), nullable=False),
         sa.Column("prepared_txn_state", sa.String(255), nullable=False, server_default=""),
-        # MariaDB: microseconds, the row's version there (StateStore.commit_status).
+        # MariaDB: microseconds, the row's version there (CommitInquiry.commit_status).
         sa.Column("updated_at", sa.DateTime(timezone=True).with_variant(
             mysql.DATETIME(fsp=6), "mysql", "mariadb"), nullable=False),
         sa.PrimaryKeyConstraint("transactional_id", name="pk_dualwrite_transaction_state"),

@@ -1,0 +1,282 @@
+"""Group commit: the requests that arrive while the writers are busy share the next transaction
+of a free writer, each in a savepoint of its own (the pool's docstring)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import sqlalchemy as sa
+
+from dualwrite import metrics
+from dualwrite.database import database_error
+from dualwrite.errors import DatabaseUnreachableError, DualWriteError, RetriableError
+from dualwrite.writer.dual_writer import DualWriteTransaction
+from dualwrite.writer.handle import GuardedConnection
+from dualwrite.writer.pool.admission import Admission
+from dualwrite.writer.pool.policy import CommitPolicy
+from dualwrite.writer.pool.requests import GroupedTransaction, Request
+from dualwrite.writer.pool.writers import Slot, breaks_writer
+
+_STOP = object()
+
+_KEPT_SAVEPOINTS = 32
+"""How many grouped requests' savepoints a group keeps unreleased at most: PostgreSQL caches 64
+subtransactions per session (past that every snapshot of the server gets slower)."""
+
+
+class _Once:
+    """Calls ``fn`` at the first call only."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self._fn: Callable[[], object] | None = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
+class GroupCommit(CommitPolicy):
+    """Each writer has a thread that takes the waiting requests as one group (:meth:`_drive`);
+    at most ``collectors`` writers take requests at a time while the others commit, so that
+    groups grow with the load. A writer whose id was lost is closed by its own thread."""
+
+    grouped = True
+
+    def __init__(self, admission: Admission, slots: list[Slot], usage: metrics.PoolUsage, *,
+                 url: sa.URL, max_group_size: int, collectors: int,
+                 acquire_timeout_s: float) -> None:
+        self._admission = admission
+        self._prefix = admission.id_prefix
+        self._all = slots
+        self._usage = usage
+        self._url = url
+        """The database's (for its errors)."""
+        self._max_group = max_group_size
+        self._acquire_timeout_s = acquire_timeout_s
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._collecting = threading.BoundedSemaphore(collectors)
+        """How many writers may take requests into their groups at once (the others commit)."""
+        self._drivers: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for slot in self._all:
+            t = threading.Thread(target=self._drive, args=(slot,), daemon=True,
+                                 name=f"dualwrite-pool-{slot.tid}")
+            t.start()
+            self._drivers.append(t)
+
+    def stop(self, deadline: float) -> list[str]:
+        for _ in self._drivers:
+            self._requests.put(_STOP)
+        for t in self._drivers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return [t.name for t in self._drivers if t.is_alive()]
+
+    @contextmanager
+    def transaction(self) -> Iterator[GroupedTransaction | DualWriteTransaction]:
+        with self._admission.admitted(), self._request() as handle:
+            yield handle
+
+    def hand_over(self, req: Request, executor: ThreadPoolExecutor | None) -> None:
+        """Into the queue the writers' threads take their groups from."""
+        self._requests.put(req)
+
+    @contextmanager
+    def _request(self) -> Iterator[GroupedTransaction | DualWriteTransaction]:
+        req = Request()
+        self._requests.put(req)
+        try:
+            if not req.turn.wait(self._acquire_timeout_s) and req.abandon():
+                raise RetriableError(f"writer pool {self._prefix}: no group took the request "
+                                     f"within {self._acquire_timeout_s:g} s")
+            req.turn.wait()
+        except BaseException as exc:  # interrupted (Ctrl-C) while waiting for its turn
+            if not isinstance(exc, RetriableError) and not req.abandon():
+                # A group took it: end its block now, as failed, or the group's thread would
+                # wait for it forever (and close() for that thread).
+                req.body_error = exc
+                req.work.put(None)
+            raise
+        if req.handle is None:  # the group failed before this request's turn
+            assert req.error is not None
+            raise req.error
+        try:
+            yield req.handle
+        except BaseException as exc:
+            req.body_error = exc
+            req.work.put(None)
+            req.done.wait()
+            if req.error is not None and isinstance(req.error, DatabaseUnreachableError) \
+                    and req.error.__cause__ is exc:
+                raise req.error from exc  # its own statement lost the database
+            raise
+        req.work.put(None)
+        req.done.wait()
+        if req.error is not None:
+            raise req.error
+
+    def _drive(self, slot: Slot) -> None:
+        """The thread of one writer: take the waiting requests as a group, one transaction."""
+        while True:
+            slot.rest()
+            self._collecting.acquire()
+            collected = _Once(self._collecting.release)
+            try:
+                first = self._requests.get()
+                if first is _STOP:
+                    return
+                if slot.lost:  # leave it to a writer that still holds its id
+                    self._requests.put(first)
+                    slot.retire("its id was taken by another process")
+                    return
+                if first.take():
+                    self._run_group(slot, first, collected)
+            finally:
+                collected()
+
+    def _run_group(self, slot: Slot, first: Request, collected: Callable[[], None]) -> None:
+        """One group: the writer's transaction runs ``first`` and the requests that wait or
+        arrive meanwhile (up to ``max_group_size``), then ``collected()`` lets another writer
+        collect while this one commits."""
+        group: list[Request] = []
+        stop = False
+        error: BaseException | None = None
+        tx: DualWriteTransaction | None = None
+        self._usage.taken()
+        try:
+            writer = slot.current_writer()
+            with writer.transaction() as tx:
+                group.append(first)
+                self._run_first(tx, first)
+                conn = tx.lock()  # (the lock, if the first request did not take it)
+                nxt: Request | None = None
+                while True:
+                    while len(group) < self._max_group:
+                        try:
+                            item = self._requests.get_nowait()
+                        except queue.Empty:
+                            break
+                        if item is _STOP:
+                            stop = True
+                            break
+                        if item.take():
+                            nxt = item
+                            break
+                    if nxt is None:
+                        break
+                    group.append(nxt)
+                    self._run_member(conn, tx, nxt, number=len(group),
+                                     keep=len(group) <= _KEPT_SAVEPOINTS)
+                    nxt = None
+                collected()
+        except BaseException as exc:
+            error = exc
+            if breaks_writer(exc):
+                slot.retire(exc)
+        slot.ended = time.monotonic()
+        self._usage.returned()
+        metrics.observe_group_size(self._prefix, len(group))
+        if first not in group:
+            group.append(first)  # the transaction failed before its turn
+        state = tx.state if tx is not None and error is None else None
+        for req in group:
+            failed = error if error is not None else req.own_error
+            if req.handle is not None:
+                req.handle.state = state if failed is None else None
+            req.error = failed
+            req.signal(req.turn)
+            req.signal(req.done)
+        if stop:
+            self._requests.put(_STOP)
+
+    def _run_first(self, tx: DualWriteTransaction, req: Request) -> None:
+        """The group's first request runs on the writer's own handle, as a lone transaction
+        would: its records leave at once (while its rows are written, the lock taken late) and,
+        with nothing else in the transaction yet, a failure of its block ends the transaction
+        (both sides rolled back), so it needs no savepoint. Requests join after it, unless it
+        misused the connection or went on after a failed statement (then the transaction
+        fails before anyone joins)."""
+        req.handle = tx
+        req.signal(req.turn)
+        while (item := req.work.get()) is not None:
+            item()
+        if req.body_error is not None:
+            raise req.body_error
+        held, _ = tx.bound()
+        if held is not None and held.misused is not None:
+            raise held.misused
+        failed = held.went_on_after_a_failure() if held is not None else None
+        if failed is not None:
+            raise failed
+
+    def _run_member(self, conn: GuardedConnection, tx: DualWriteTransaction, req: Request, *,
+                    number: int, keep: bool = True) -> None:
+        """Run one request's block (in its own thread) inside a savepoint of its own; produce
+        its records into the group's transaction if it succeeded, roll it back alone if it
+        failed: its exception, a refused statement (the connection's guard), a failed
+        statement it went on after, or a record the client would refuse (checked before any
+        is sent). ``keep``: leave the savepoint unreleased if it succeeded (see below).
+
+        The savepoint is the writer's own statement, not SQLAlchemy's ``begin_nested()``, so
+        that nothing the request does to SQLAlchemy's bookkeeping can stop the writer from
+        rolling it back. Only a misuse that cost the whole transaction fails the group."""
+        savepoint = f"dualwrite_request_{number}"
+        self._own_statement(conn, f"SAVEPOINT {savepoint}")
+        req.handle = GroupedTransaction(conn)
+        conn.lend_savepoint()
+        req.signal(req.turn)
+        try:
+            while (item := req.work.get()) is not None:
+                item()
+        finally:
+            misuse = conn.end_savepoint_loan()
+        if misuse is not None and conn.whole_transaction_lost:
+            raise misuse
+        body_error = req.body_error
+        failure: BaseException | None = body_error or misuse
+        if failure is None:
+            failure = conn.went_on_after_a_failure()
+        records = req.handle.records()
+        if failure is None:
+            try:
+                tx.check(records)
+            except DualWriteError as refused:
+                failure = refused
+        # A savepoint that succeeded is not released: its work commits with the group (the
+        # COMMIT ends every savepoint), and a RELEASE would be one more round trip in series
+        # per request. The next request's savepoint nests in it, so rolling that one back
+        # still undoes that request alone. Past _KEPT_SAVEPOINTS levels they are released
+        # again: PostgreSQL caches 64 subtransactions per session.
+        if failure is not None:
+            self._own_statement(conn, f"ROLLBACK TO SAVEPOINT {savepoint}")
+        if failure is not None or not keep:
+            self._own_statement(conn, f"RELEASE SAVEPOINT {savepoint}")
+        if failure is None:
+            for topic, value, key, partition, headers in records:
+                tx.produce(topic, value, key, partition=partition, headers=headers)
+            return
+        if failure is not body_error:
+            req.own_error = failure  # the block ended normally: the request fails all the same
+            return
+        if isinstance(body_error, sa.exc.DBAPIError):
+            typed = database_error(body_error, self._url)
+            if isinstance(typed, DatabaseUnreachableError):
+                raise typed from body_error  # the group's connection is gone: all fail
+        if not isinstance(body_error, Exception):
+            raise body_error  # an interrupt: stop the group too
+
+    def _own_statement(self, conn: GuardedConnection, statement: str) -> None:
+        """One of the writer's own statements on the lent connection (a request's
+        savepoint)."""
+        try:
+            with conn.own_use():
+                conn.exec_driver_sql(statement)
+        except sa.exc.SQLAlchemyError as exc:
+            raise database_error(exc, self._url) from exc

@@ -1,0 +1,96 @@
+"""A fresh PostgreSQL schema or database (or MariaDB database) per test: the one way the tests
+get an empty database on a shared server; and a private PostgreSQL server a test may stop and
+start (``private_postgres``, ``pg_ctl``)."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import sqlalchemy as sa
+
+import dualwrite
+from dualwrite.database import normalize_url
+from dualwrite.dev import LocalPostgres
+from dualwrite.dev.postgres_cluster import find_postgres_bindir, postgres_server_account
+
+
+@contextmanager
+def fresh_schema(base_url: str, prefix: str, *, quiet_drop: bool = False) -> Iterator[str]:
+    """A new schema on ``base_url``'s database, as a URL whose ``search_path`` is that schema;
+    dropped afterwards. ``quiet_drop``: a drop that fails (the test stopped the server) is
+    ignored."""
+    schema = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    admin = dualwrite.create_engine(base_url)
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
+    url = normalize_url(base_url).update_query_dict({"options": f"-csearch_path={schema}"})
+    try:
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with (contextlib.suppress(Exception) if quiet_drop else contextlib.nullcontext()), \
+                admin.begin() as conn:
+            conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
+        admin.dispose()
+
+
+@contextmanager
+def fresh_postgres_database(base_url: str, prefix: str) -> Iterator[str]:
+    """A new database on ``base_url``'s PostgreSQL server, as a URL naming it; dropped
+    afterwards with its sessions. For what a schema cannot isolate: session locks (their keys
+    are per database) and poolers (which route by database name)."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(sa.make_url(base_url), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield sa.make_url(base_url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@contextmanager
+def fresh_mariadb_database(base_url: str, prefix: str) -> Iterator[str]:
+    """A new database on ``base_url``'s MariaDB server, as a URL naming it; dropped afterwards
+    (MariaDB's schemas are its databases)."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    admin = dualwrite.create_engine(base_url)
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    try:
+        yield normalize_url(base_url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}")
+        admin.dispose()
+
+
+def pg_ctl(pg: LocalPostgres, *args: str) -> None:
+    """Run ``pg_ctl`` on ``pg``'s data directory as the account the server runs as."""
+    assert pg.data_dir is not None
+    user = postgres_server_account()
+    run_as: dict[str, Any] = (
+        {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []} if user else {})
+    subprocess.run([str(find_postgres_bindir() / "pg_ctl"), *args, "-D",
+                    str(pg.data_dir / "pgdata")], check=True, capture_output=True, timeout=60,
+                   **run_as)
+
+
+@contextmanager
+def private_postgres(*, stop_mode: str = "fast", **settings: str) -> Iterator[LocalPostgres]:
+    """A PostgreSQL server of the test's own, which it may stop and start with :func:`pg_ctl`;
+    at the end the server ``pg_ctl`` started, if running, is stopped (``stop_mode``) first."""
+    pg = LocalPostgres(backend="binaries", settings=settings or None)
+    pg.start()
+    try:
+        yield pg
+    finally:
+        with contextlib.suppress(Exception):
+            pg_ctl(pg, "stop", "-m", stop_mode, "-w")
+        pg.stop()
