@@ -1,4 +1,5 @@
-"""Shared fixtures: real Kafka clusters and PostgreSQL started locally (see docs/dev-cluster.md).
+"""The suite's command-line options and the plugins holding its shared fixtures (real Kafka
+clusters and databases started locally, see docs/dev-cluster.md; tests/support/fixtures/).
 
 Environment variables:
 
@@ -19,42 +20,16 @@ Environment variables:
 
 from __future__ import annotations
 
-import logging
-import os
-import re
-import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import cast
-
 import pytest
-import sqlalchemy as sa
 
-import dualwrite
-from dualwrite.dev import (
-    ExternalKafkaCluster,
-    KafkaTarget,
-    LocalKafkaCluster,
-    LocalMariaDB,
-    LocalPostgres,
-)
-from dualwrite.dev.kafka_cluster import Backend
-from tests.support.db import fresh_mariadb_database, fresh_schema
-
-KAFKA_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA_VERSION", "4.3.1")
-KAFKA39_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA39_VERSION", "3.9.2")
-BACKEND = cast(Backend, os.environ.get("DUALWRITE_TEST_BACKEND", "auto"))
-# The compatibility tier: every supported release line but the default's (which runs the full
-# suite). 4.4.0 resolves from Maven Central since kafka-tools-api 4.4.0 appeared there.
-COMPAT_VERSIONS = [v.strip() for v in os.environ.get(
-    "DUALWRITE_TEST_COMPAT_VERSIONS", "3.9.2,4.0.2,4.1.2,4.2.2,4.4.0").split(",") if v.strip()]
-TWO_PC_CONFIG = {
-    "transaction.two.phase.commit.enable": "true",
-    "unstable.api.versions.enable": "true",
-}
-
-
-NewTopic = Callable[..., str]
+# The shared fixtures, one plugin per kind (test modules override them by name).
+pytest_plugins = [
+    "tests.support.fixtures.kafka",
+    "tests.support.fixtures.proxied_kafka",
+    "tests.support.fixtures.databases",
+    "tests.support.fixtures.writers",
+    "tests.support.fixtures.spark",
+]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -95,176 +70,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True)
-def _kafka_logger_level() -> Iterator[None]:
-    """The CLI, when a test runs it in-process, quiets kafka-python's logger (and at -v opens
-    librdkafka's) for the whole process; restore their levels so that later tests see what
-    they log and nothing more."""
-    loggers = [logging.getLogger(name) for name in ("kafka", "dualwrite.librdkafka")]
-    levels = [logger.level for logger in loggers]
-    yield
-    for logger, level in zip(loggers, levels, strict=True):
-        logger.setLevel(level)
-
-
-def _cluster(
-    env_var: str, version: str, extra: dict[str, str] | None = None
-) -> Iterator[KafkaTarget]:
-    external = os.environ.get(env_var)
-    if external:
-        yield ExternalKafkaCluster(external)
-        return
-    with LocalKafkaCluster(
-        brokers=1, kafka_version=version, extra_config=extra, backend=BACKEND
-    ) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="session")
-def kafka() -> Iterator[KafkaTarget]:
-    """One Kafka 4.3.1 broker with default transaction settings (no 2PC)."""
-    yield from _cluster("DUALWRITE_TEST_BOOTSTRAP", KAFKA_VERSION)
-
-
-@pytest.fixture(scope="session")
-def kafka_2pc() -> Iterator[KafkaTarget]:
-    """One Kafka 4.3.1 broker with KIP-939 enabled (2PC and unstable API versions)."""
-    yield from _cluster("DUALWRITE_TEST_BOOTSTRAP_2PC", KAFKA_VERSION, TWO_PC_CONFIG)
-
-
-@pytest.fixture(scope="session")
-def kafka39() -> Iterator[KafkaTarget]:
-    """One Kafka 3.9.x broker: the last release line before KIP-890 part 2 and KIP-939."""
-    yield from _cluster("DUALWRITE_TEST_BOOTSTRAP_39", KAFKA39_VERSION)
-
-
-@pytest.fixture(scope="session")
-def _kafka3_session() -> Iterator[LocalKafkaCluster]:
-    with LocalKafkaCluster(brokers=3, kafka_version=KAFKA_VERSION, backend=BACKEND) as cluster:
-        yield cluster
-
-
-@pytest.fixture
-def kafka3(_kafka3_session: LocalKafkaCluster) -> LocalKafkaCluster:
-    """Three broker+controller nodes (RF 3, min ISR 2), shared by the session.
-
-    Any broker a previous test killed or stopped is restarted first, so tests may kill freely.
-    """
-    cluster = _kafka3_session
-    dead = [n.index for n in cluster.nodes if not cluster.is_running(n.index)]
-    for index in dead:
-        cluster.restart_broker(index)
-    if not dead:
-        cluster.wait_until_ready(60.0)
-    return cluster
-
-
-@pytest.fixture(scope="session")
-def kafka_secured() -> Iterator[LocalKafkaCluster]:
-    """One Kafka 4.3.1 broker with SASL (SCRAM-SHA-512) on SASL_PLAINTEXT and SASL_SSL listeners,
-    a CA made for the run, and the StandardAuthorizer (``security="sasl"``, jars backend).
-
-    ``bootstrap_servers`` is the internal PLAINTEXT listener (a super user, for topics and
-    ACLs); tests create their own SCRAM users and ACLs. ``DUALWRITE_TEST_SECURED_STATE``: the
-    ``cluster.json`` of a running ``dualwrite dev up --security sasl`` to use instead.
-    """
-    state = os.environ.get("DUALWRITE_TEST_SECURED_STATE")
-    if state:
-        yield LocalKafkaCluster.from_state(Path(state))
-        return
-    backend: Backend = "docker" if BACKEND == "docker" else "jars"
-    with LocalKafkaCluster(brokers=1, kafka_version=KAFKA_VERSION, backend=backend,
-                           security="sasl") as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="session")
-def postgres_url() -> Iterator[str]:
-    """SQLAlchemy URL of a session-wide PostgreSQL database (``postgresql+psycopg://``)."""
-    external = os.environ.get("DUALWRITE_TEST_POSTGRES_URL")
-    if external:
-        yield external
-        return
-    with LocalPostgres() as pg:
-        yield pg.url
-
-
-@pytest.fixture(scope="session")
-def mariadb_url() -> Iterator[str]:
-    """SQLAlchemy URL of a session-wide MariaDB server's ``dualwrite`` database
-    (``mysql+pymysql://``), started once (about 2 s)."""
-    external = os.environ.get("DUALWRITE_TEST_MARIADB_URL")
-    if external:
-        yield external
-        return
-    with LocalMariaDB() as server:
-        yield server.url
-
-
-@pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
-    """SQLAlchemy URL of a fresh SQLite file for this test."""
-    return f"sqlite:///{tmp_path / 'dualwrite.db'}"
-
-
-@pytest.fixture
-def new_topic(request: pytest.FixtureRequest) -> NewTopic:
-    """``new_topic(cluster, partitions=3, **kw)``: create a uniquely named topic; its name."""
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", request.node.name)[:60].strip("-.")
-
-    def create(cluster: KafkaTarget, partitions: int = 3, **kwargs: object) -> str:
-        name = f"{stem}-{uuid.uuid4().hex[:8]}"
-        return cluster.create_topic(name, partitions, **kwargs)  # type: ignore[arg-type]
-
-    return create
-
-
-@pytest.fixture
-def bootstrap(kafka: KafkaTarget) -> str:
-    """Bootstrap servers of the session's Kafka 4.3.1 (test modules may override it)."""
-    return kafka.bootstrap_servers
-
-
-@pytest.fixture
-def topic(kafka: KafkaTarget, new_topic: NewTopic) -> str:
-    """A fresh 3-partition topic on the session's Kafka 4.3.1."""
-    return new_topic(kafka, partitions=3)
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-def backend(request: pytest.FixtureRequest) -> str:
-    """The database a test runs on (narrow it with ``parametrize(..., indirect=True)``; widen
-    it to MariaDB the same way, with ``"mariadb"``)."""
-    return str(request.param)
-
-
-@pytest.fixture
-def empty_db_url(backend: str, request: pytest.FixtureRequest) -> Iterator[str]:
-    """An empty database on ``backend``: a fresh SQLite file, a fresh PostgreSQL schema, or a
-    fresh MariaDB database."""
-    if backend == "sqlite":
-        yield request.getfixturevalue("sqlite_url")
-        return
-    if backend == "mariadb":
-        with fresh_mariadb_database(request.getfixturevalue("mariadb_url"), "dw_test") as url:
-            yield url
-        return
-    with fresh_schema(request.getfixturevalue("postgres_url"), "dw_test") as url:
-        yield url
-
-
-@pytest.fixture
-def db_url(empty_db_url: str) -> str:
-    """``empty_db_url`` with dualwrite's tables (test modules may override it)."""
-    dualwrite.upgrade_database(empty_db_url)
-    return empty_db_url
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[sa.Engine]:
-    """An engine on ``db_url``, disposed after the test."""
-    eng = dualwrite.create_engine(db_url)
-    yield eng
-    eng.dispose()

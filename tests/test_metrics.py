@@ -34,13 +34,13 @@ from dualwrite.cli import main
 from dualwrite.errors import BatchHeuristicAbortError, HeuristicAbortError, RetriableError
 from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.writer import PhaseHooks
-from tests.recovery.test_recover_watch import (
+from tests.support import REPO_ROOT
+from tests.support.daemon import (
     SECRET,
     crash_after_db_commit,
     daemon,
     with_password,
 )
-from tests.support import REPO_ROOT
 from tests.support.db import fresh_schema
 from tests.support.kafka import closed_port, read_committed, unique
 from tests.support.workers import worker_env

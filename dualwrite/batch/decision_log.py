@@ -36,6 +36,7 @@ from sqlalchemy import Connection, Engine
 from dualwrite.database import (
     SINK_LOCKS,
     SessionLocks,
+    as_utc,
     backend_for,
     database_error,
     transaction,
@@ -115,10 +116,6 @@ class SinkRecord:
     def in_doubt(self) -> bool:
         """Decided, but not every participant is known to be committed yet."""
         return not self.completed
-
-
-def _utc(value: datetime) -> datetime:
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 def _missing_table(exc: sa.exc.DBAPIError) -> bool:
@@ -243,8 +240,8 @@ class DecisionLog:
                 continue
             by_sink.setdefault(p.sink_id, []).append(Participant(
                 p.partition_id, p.transactional_id, state, p.records))
-        return [SinkRecord(s.sink_id, s.last_batch_id, s.completed, _utc(s.decided_at),
-                           _utc(s.completed_at) if s.completed_at else None,
+        return [SinkRecord(s.sink_id, s.last_batch_id, s.completed, as_utc(s.decided_at),
+                           as_utc(s.completed_at) if s.completed_at else None,
                            () if s.sink_id in invalid else tuple(by_sink.get(s.sink_id, ())),
                            invalid.get(s.sink_id)) for s in sinks]
 
@@ -589,18 +586,17 @@ class StagingTable:
             raw.close()
 
     def _insert_many(self, conn: Connection, rows: list[tuple[Any, ...]]) -> int:
-        """One ``executemany`` of plain tuples on SQLite (no per-row dictionaries); other
-        databases (MariaDB) through SQLAlchemy's insert."""
+        """One ``executemany`` of plain tuples where the backend has one (SQLite: no per-row
+        dictionaries); other databases (MariaDB) through SQLAlchemy's insert."""
         if not rows:
             return 0
         names = [*self.columns, *_STAGING_COLUMNS]
-        if conn.dialect.name != "sqlite":
+        insert = backend_for(conn).tuple_insert_sql(self.name, names)
+        if insert is None:
             conn.execute(sa.insert(self.table), [dict(zip(names, row, strict=True))
                                                  for row in rows])
-            return len(rows)
-        cols = ", ".join(f'"{c}"' for c in names)
-        marks = ", ".join("?" for _ in names)
-        conn.exec_driver_sql(f'INSERT INTO "{self.name}" ({cols}) VALUES ({marks})', rows)
+        else:
+            conn.exec_driver_sql(insert, rows)
         return len(rows)
 
     def pending(self, attempt_keys: Sequence[str]) -> str:

@@ -30,6 +30,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ __all__ = [
     "MIGRATION_LOCK_KEY",
     "MYSQL_ISOLATION_LEVEL",
     "SQLITE_BEGIN_OPTION",
+    "as_utc",
     "bounded_wait",
     "check_database_file",
     "check_mariadb_version",
@@ -116,6 +118,12 @@ DEFAULT_MYSQL_CONNECT_TIMEOUT_S = 10
 #: transaction would see the snapshot of its first read, and inserts of new state rows would
 #: take gap locks that deadlock two writers of different new ids.
 MYSQL_ISOLATION_LEVEL = "READ COMMITTED"
+
+
+def as_utc(value: datetime) -> datetime:
+    """A datetime read back from dualwrite's tables, in UTC: dualwrite stores UTC, and SQLite and
+    MariaDB return it naive."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 def is_mysql(engine_or_conn: Engine | Connection) -> bool:

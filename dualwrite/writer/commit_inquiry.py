@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
-from dualwrite.database import database_error, is_mysql, transaction
+from dualwrite.database import as_utc, backend_for, database_error, transaction
 
 if TYPE_CHECKING:
     from dualwrite.writer.state_store import StateRow
@@ -255,7 +255,7 @@ class CommitInquiry:
         On PostgreSQL the id is asked first (``txid_status``, as :meth:`transaction_status`),
         then the row read, so that a COMMIT ending in between shows in the row.
         """
-        if is_mysql(self.engine):
+        if backend_for(self.engine).commit_by_row_version:
             return self._mysql_commit_status(locked, state)
         xid = locked.locked_by_xid
         if xid is None:
@@ -319,7 +319,7 @@ class CommitInquiry:
                     sa.select(t.c.prepared_txn_state, t.c.updated_at, t.c.fencing_generation)
                     .where(t.c.transactional_id == locked.transactional_id)).one_or_none()
                 if found is not None:
-                    row = MysqlRow(str(found[0]), _utc(found[1]), int(found[2]))
+                    row = MysqlRow(str(found[0]), as_utc(found[1]), int(found[2]))
         except sa.exc.SQLAlchemyError as exc:
             raise database_error(exc, self.engine.url, table=self.table.name) from exc
         verdict = mysql_verdict(locked, state, server, False, row)
@@ -364,8 +364,3 @@ def _in_the_future(exc: sa.exc.SQLAlchemyError) -> bool:
     """PostgreSQL's refusal of ``txid_status`` for an id it has not assigned yet (22023)."""
     orig = getattr(exc, "orig", None)
     return getattr(orig, "sqlstate", None) == "22023" and "in the future" in str(orig)
-
-
-def _utc(value: datetime) -> datetime:
-    """A naive datetime read back is UTC; dualwrite always stores UTC."""
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)

@@ -32,7 +32,8 @@ class WriterConnection:
         """The open connection, if any."""
         self.locked: StateRow | None = None
         """The row as locked by the database transaction holding the lock; on PostgreSQL its
-        transaction id and server name the decision (:meth:`StateStore.commit_status`)."""
+        transaction id and server name the decision
+        (:meth:`~dualwrite.writer.commit_inquiry.CommitInquiry.commit_status`)."""
 
     def own(self) -> GuardedConnection:
         """The writer's connection (opened if there is none), back in the writer's hands."""

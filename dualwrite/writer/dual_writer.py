@@ -43,9 +43,8 @@ from dualwrite.participant.client_config import check_kafka_config, check_timeou
 from dualwrite.participant.prepared_state import PreparedTxnState
 from dualwrite.participant.producer import TwoPhaseProducer
 from dualwrite.writer.connection import WriterConnection
-from dualwrite.writer.handle import GuardedConnection
 from dualwrite.writer.hooks import NO_HOOKS, HeuristicHook, PhaseHooks
-from dualwrite.writer.lease_keeper import LeaseKeeper, LeaseVerdict
+from dualwrite.writer.lease_keeper import LeaseKeeper
 from dualwrite.writer.ownership import Ownership
 from dualwrite.writer.settings import WriterSettings, log
 from dualwrite.writer.state_store import StateStore
@@ -137,9 +136,10 @@ class DualWriter:
             store=state_store or StateStore(engine), on_heuristic_abort=on_heuristic_abort,
             hooks=hooks if hooks is not None else NO_HOOKS, verify=verify, role=metrics_role,
             take_over=take_over)
-        self._lease = LeaseKeeper(self._settings)
-        self._connection = WriterConnection(self._settings, self._lease)
-        self._owner = Ownership(self._settings, self._connection, self._lease)
+        self.lease_keeper = LeaseKeeper(self._settings)
+        """The writer's lease and the check of it begun after each Kafka commit."""
+        self._connection = WriterConnection(self._settings, self.lease_keeper)
+        self._owner = Ownership(self._settings, self._connection, self.lease_keeper)
         self._helper = ThreadPoolExecutor(1, thread_name_prefix=f"dualwrite-{tid}")
         self._busy = threading.Lock()
         """Held while a transaction of this writer is open (one at a time, one thread)."""
@@ -154,16 +154,6 @@ class DualWriter:
     @property
     def producer(self) -> TwoPhaseProducer:
         return self._owner.producer()
-
-    @property
-    def _conn(self) -> GuardedConnection | None:
-        """The writer's connection, if open (the fault tests end its server session)."""
-        return self._connection.current
-
-    def _lease_verdict(self) -> LeaseVerdict | None:
-        """Wait for the lease check begun after the last Kafka commit (the fault tests claim
-        the id only once it answered)."""
-        return self._lease.verdict()
 
     def close(self) -> None:
         """Stop; after a clean run the state row is cleared so the next start needs no check.
@@ -191,7 +181,7 @@ class DualWriter:
         with contextlib.ExitStack() as steps:  # the callbacks run last to first
             steps.callback(self._helper.shutdown, wait=False)
             # A file lock; PostgreSQL's went with the connection.
-            steps.callback(self._lease.release)
+            steps.callback(self.lease_keeper.release)
             if last is not None and not last.is_empty and producer is not None \
                     and not producer.has_open_transaction:
                 # Once the connection is gone: a transaction interrupted between its row lock
@@ -199,7 +189,7 @@ class DualWriter:
                 # applies to the state this writer committed, lease or not.
                 steps.callback(clear_state, last)
             steps.callback(self._connection.drop)
-            steps.callback(self._lease.verdict)  # a check still running uses the connection
+            steps.callback(self.lease_keeper.verdict)  # a check still running uses the connection
             if producer is not None:
                 steps.callback(producer.close)
 

@@ -37,6 +37,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.dialects import postgresql
 
 from dualwrite.database import (
+    as_utc,
     backend_for,
     bounded_wait,
     database_error,
@@ -127,11 +128,6 @@ def _wait_bound(timeout_s: float | None) -> float | None:
     return max(MIN_WAIT_S, bound - min(0.3, bound / 10))
 
 
-def _utc(value: datetime) -> datetime:
-    """SQLite returns naive datetimes; dualwrite always stores UTC."""
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-
-
 def _state_row(row: Any) -> StateRow:
     """A row selected or returned in the order of ``StateStore._columns`` (then, when locked on
     PostgreSQL, the locking transaction's id, its server process and its server's
@@ -139,7 +135,7 @@ def _state_row(row: Any) -> StateRow:
     xid = int(row[4]) if len(row) > 4 and row[4] is not None else None
     pid = int(row[5]) if len(row) > 5 and row[5] is not None else None
     server = str(row[6]) if len(row) > 6 and row[6] is not None else None
-    return StateRow(str(row[0]), str(row[1]), _utc(row[2]), int(row[3]), xid, pid, server)
+    return StateRow(str(row[0]), str(row[1]), as_utc(row[2]), int(row[3]), xid, pid, server)
 
 
 def _require_transaction(conn: Connection, method: str) -> None:

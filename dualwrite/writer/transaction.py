@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy import Connection
 
 from dualwrite import metrics
-from dualwrite.database import bounded_wait, database_error, is_mysql
+from dualwrite.database import backend_for, bounded_wait, database_error
 from dualwrite.deadline import MARGIN_S, Deadline, current_deadline, deadline_scope
 from dualwrite.errors import (
     BlockCommittedError,
@@ -30,6 +30,7 @@ from dualwrite.participant.anchor_reader import AnchorReader
 from dualwrite.participant.identifiers import TopicPartition
 from dualwrite.participant.prepared_state import PreparedTxnState
 from dualwrite.participant.producer import TwoPhaseProducer
+from dualwrite.writer.commit_inquiry import CommitStatus
 from dualwrite.writer.handle import GuardedConnection
 from dualwrite.writer.lease import pooler_error
 from dualwrite.writer.lease_keeper import LeaseVerdict
@@ -206,21 +207,22 @@ class RunningTransaction:
         settings = self._settings
         locked = self._connection.locked
         xid = locked.locked_by_xid if locked is not None else None
-        status: str | None = ""
+        status: CommitStatus | str | None = ""
         if xid is not None:
             try:
                 status = settings.store.inquiry.transaction_status(xid)
             except DualWriteError as exc:
                 status = f"unknown ({exc})"
-            if status == "aborted":
+            if status is CommitStatus.ABORTED:
                 return None
             detail = (f"a statement of the block ended the database transaction ({status})"
-                      if status != "committed"
+                      if status is not CommitStatus.COMMITTED
                       else "a statement of the block committed the database transaction")
         else:
             detail = ("a statement of the block ended the database transaction, and this "
                       "database cannot tell whether it committed")
-        heuristic = BlockCommittedError(self._tid, detail, certain=status == "committed")
+        heuristic = BlockCommittedError(self._tid, detail,
+                                        certain=status is CommitStatus.COMMITTED)
         log.error("heuristic outcome: %s", heuristic)
         metrics.heuristic_outcome(settings.role, heuristic)
         if settings.on_heuristic_abort is not None:
@@ -399,15 +401,16 @@ def database_committed(settings: WriterSettings, state: PreparedTxnState,
     (:meth:`~dualwrite.writer.commit_inquiry.CommitInquiry.commit_status`). Waits, bounded,
     while it is still in progress.
 
-    SQLite (no ``xid``): a COMMIT that raised was not applied — SQLite commits atomically,
-    and a failed COMMIT leaves the transaction open (busy) or rolls it back (I/O error).
+    False where a COMMIT that raised is known not to have been applied (SQLite:
+    :attr:`~dualwrite.database.Backend.failed_commit_rolled_back`).
     """
+    backend = backend_for(settings.engine)
+    if backend.failed_commit_rolled_back:
+        return False
     unknown = (f"the database COMMIT of transactional_id={settings.transactional_id} "
                f"state={state} has an unknown outcome")
     xid = locked.locked_by_xid if locked is not None else None
-    if locked is None or (xid is None and not is_mysql(settings.engine)):
-        if settings.engine.dialect.name == "sqlite":
-            return False
+    if locked is None or (xid is None and not backend.commit_by_row_version):
         raise OutcomeUnknownError(f"{unknown}: the lock returned no transaction id to ask "
                                   "about; run `dualwrite recover`")
     # Asked on a new connection, within what is left of the deadline; after a COMMIT that
@@ -435,8 +438,8 @@ def _ask_outcome(settings: WriterSettings, locked: StateRow, state: PreparedTxnS
                     "once the database is back") from exc
             time.sleep(0.2)
             continue
-        if status in ("committed", "aborted"):
-            return status == "committed"
+        if status in (CommitStatus.COMMITTED, CommitStatus.ABORTED):
+            return status is CommitStatus.COMMITTED
         if status is None or time.monotonic() > deadline:
             said = status or ("unknown (too old, claimed since, or run by a server it "
                               "failed over from)")

@@ -27,8 +27,8 @@ from dualwrite.batch.naming import transactional_id
 from dualwrite.dev import LocalKafkaCluster
 from dualwrite.errors import BatchHeuristicAbortError, ProducerFencedError
 from dualwrite.participant import ControlPlane
-from tests.conftest import BACKEND, KAFKA_VERSION
 from tests.support.kafka import read_committed, unique
+from tests.support.settings import BACKEND, KAFKA_VERSION
 from tests.support.tcp_proxy import TcpProxy, kafka_api
 
 pytestmark = pytest.mark.timeout(240)

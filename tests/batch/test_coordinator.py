@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,87 +17,30 @@ import sqlalchemy as sa
 
 import dualwrite
 from dualwrite import Outcome, RetriableError, TwoPhaseProducer
-from dualwrite.batch.coordinator import BatchCoordinator, CoordinatorHooks
-from dualwrite.batch.decision_log import DecisionLog, Participant, StagingTable
-from dualwrite.batch.naming import transactional_id
+from dualwrite.batch.coordinator import BatchCoordinator
+from dualwrite.batch.decision_log import DecisionLog, StagingTable
 from dualwrite.errors import BatchHeuristicAbortError
 from dualwrite.participant import ControlPlane, TxnState
+from tests.support.batch import Hooks, encoded, open_in_pool, prepare
 from tests.support.kafka import read_committed, unique
+from tests.support.tables import EVERY_BACKEND
 
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(params=["postgresql", "sqlite",
-                        pytest.param("mariadb", marks=pytest.mark.mariadb_full)])
+@pytest.fixture(params=EVERY_BACKEND)
 def backend(request: pytest.FixtureRequest) -> str:
     """Every database; on MariaDB the decision lock's race always, the rest with
     ``--mariadb-full``."""
     return str(request.param)
 
-OPEN = [TxnState.ONGOING, TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT]
-
-
 class DriverCrash(Exception):
     """Raised by a phase hook: the driver dies at that point."""
-
-
-@pytest.fixture
-def kconf(bootstrap: str) -> dict[str, Any]:
-    return {"bootstrap.servers": bootstrap}
-
-
-@pytest.fixture
-def cp(kconf: dict[str, Any]) -> Iterator[ControlPlane]:
-    with ControlPlane(kconf, timeout_s=20) as plane:
-        yield plane
-
-
-@pytest.fixture
-def sink() -> str:
-    return unique("sink")
 
 
 def coordinator(sink: str, engine: sa.Engine, kconf: dict[str, Any], cp: ControlPlane,
                 **kw: Any) -> BatchCoordinator:
     return BatchCoordinator(sink, engine, kconf, control_plane=cp, timeout_s=20, **kw)
-
-
-def prepare(bootstrap: str, cp: ControlPlane, sink: str, topic: str, batch: int, partition: int,
-            attempt: int, values: list[str], *, attempt_key: str = "") -> Participant:
-    """One task attempt: produce ``values`` to ``partition``, prepare, drop the producer."""
-    tid = transactional_id(sink, batch, partition, attempt)
-    p = TwoPhaseProducer({"bootstrap.servers": bootstrap, "transactional.id": tid,
-                          "linger.ms": 0, "transaction.timeout.ms": 600_000},
-                         control_plane=cp, timeout_s=20)
-    try:
-        p.init_transactions()
-        p.begin_transaction()
-        for v in values:
-            p.produce(topic, v.encode(), key=v.encode(), partition=partition)
-        state = p.prepare_transaction()
-    finally:
-        p.close()  # the transaction stays open for the driver
-    return Participant(partition, tid, state, len(values), attempt_key)
-
-
-def open_in_pool(cp: ControlPlane, sink: str) -> list[str]:
-    return sorted(t.transactional_id for t in cp.list_transactions(states=OPEN, prefix=sink)
-                  if t.transactional_id.startswith(f"{sink}-b"))
-
-
-def encoded(*values: str) -> list[bytes]:
-    return sorted(v.encode() for v in values)
-
-
-class Hooks(CoordinatorHooks):
-    """Calls ``on(point, batch)`` at the coordinator's points while it is set."""
-
-    def __init__(self, on: Callable[[str, int], None] | None = None) -> None:
-        self.on = on
-
-    def at(self, point: str, batch_id: int) -> None:
-        if self.on is not None:
-            self.on(point, batch_id)
 
 
 def crash_at(phase: str) -> Any:

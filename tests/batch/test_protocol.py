@@ -35,17 +35,10 @@ from dualwrite.errors import (
     RecoverableError,
 )
 from dualwrite.participant import ControlPlane
-from tests.batch import test_coordinator
-from tests.batch.test_coordinator import Hooks, encoded, open_in_pool, prepare
+from tests.support.batch import Hooks, encoded, open_in_pool, prepare
 from tests.support.kafka import read_committed, unique
 
 pytestmark = pytest.mark.timeout(180)
-
-
-# The batch coordinator tests' fixtures: the client config, a control plane, a fresh sink id.
-kconf = test_coordinator.kconf
-cp = test_coordinator.cp
-sink = test_coordinator.sink
 
 
 def values(batch: int, partition: int) -> list[str]:

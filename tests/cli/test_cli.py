@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,24 +23,10 @@ from dualwrite.batch.coordinator import BatchCoordinator
 from dualwrite.batch.decision_log import DecisionLog, Participant
 from dualwrite.participant import ControlPlane, TxnState
 from dualwrite.writer import StateStore
+from tests.support.cli import dualwrite_command, dw
 from tests.support.kafka import closed_port, prepare_open, read_committed, unique, wait_for
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _command() -> list[str]:
-    script = Path(sys.executable).parent / "dualwrite"
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-m", "dualwrite.cli"]
-
-
-def dw(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("DUALWRITE_DB", "DUALWRITE_DATABASE_URL",
-                        "DUALWRITE_BOOTSTRAP_SERVERS")}
-    return subprocess.run([*_command(), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, check=False)
 
 
 @pytest.fixture
@@ -78,8 +63,8 @@ def test_database_url_from_the_environment(tmp_path: Path) -> None:
     base = {k: v for k, v in os.environ.items() if not k.startswith("DUALWRITE_D")}
 
     def upgrade(**env: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*_command(), "db", "upgrade"], capture_output=True, text=True,
-                              timeout=60, env={**base, **env}, check=False)
+        return subprocess.run([*dualwrite_command(), "db", "upgrade"], capture_output=True,
+                              text=True, timeout=60, env={**base, **env}, check=False)
 
     current = upgrade(DUALWRITE_DATABASE_URL=url)
     assert current.returncode == 0 and "is at revision" in current.stdout, current.stderr
@@ -372,8 +357,8 @@ def test_a_database_or_role_that_does_not_exist_is_a_configuration_error(
 
 def test_ctrl_c_exits_130_with_one_line(db: str) -> None:
     proc = subprocess.Popen(
-        [*_command(), "status", "--db", db, "-b", f"127.0.0.1:{closed_port()}", "--timeout",
-         "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [*dualwrite_command(), "status", "--db", db, "-b", f"127.0.0.1:{closed_port()}",
+         "--timeout", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(1.5)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=10)

@@ -23,8 +23,8 @@ import dualwrite
 from dualwrite.dev import LocalKafkaCluster
 from dualwrite.participant import ControlPlane
 from dualwrite.participant.coordinator_link import CoordinatorLinkWatch
-from tests.cli.test_cli import dw
 from tests.support import REPO_ROOT
+from tests.support.cli import dw
 from tests.support.kafka import create_topic, prepare_open, unique
 from tests.support.workers import STATUS_WORKER, worker_env
 

@@ -21,9 +21,9 @@ import dualwrite
 from dualwrite import ConsumedMessage, DualWriteTransaction, ExactlyOnceConsumer
 from dualwrite.dev import KafkaTarget, LocalKafkaCluster
 from dualwrite.participant import ControlPlane, TxnState
-from tests.conftest import BACKEND, KAFKA_VERSION
-from tests.faults.test_crash_matrix import read_committed_keys
+from tests.support.crash_loop import read_committed_keys
 from tests.support.db import fresh_mariadb_database, fresh_schema
+from tests.support.settings import BACKEND, KAFKA_VERSION
 from tests.support.workers import CONSUMER_WORKER, worker_env
 
 EFFECTS = sa.table("effects", sa.column("input_id", sa.String), sa.column("worker", sa.Integer))

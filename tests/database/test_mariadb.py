@@ -31,6 +31,7 @@ from dualwrite.writer import StateStore
 from dualwrite.writer.commit_inquiry import CommitStatus
 from dualwrite.writer.lease import Leases
 from tests.support.kafka import read_committed, unique, wait_for
+from tests.support.tables import add_value_table
 from tests.support.tcp_proxy import TcpProxy, contains
 
 pytestmark = [pytest.mark.timeout(120),
@@ -38,14 +39,9 @@ pytestmark = [pytest.mark.timeout(120),
 
 
 @pytest.fixture
-def db_url(empty_db_url: str) -> str:
+def db_url(db_url: str) -> str:
     """A fresh MariaDB database with dualwrite's tables and the application table."""
-    dualwrite.upgrade_database(empty_db_url)
-    engine = dualwrite.create_engine(empty_db_url)
-    with engine.begin() as conn:
-        conn.exec_driver_sql("CREATE TABLE app_rows (value VARCHAR(100) PRIMARY KEY)")
-    engine.dispose()
-    return empty_db_url
+    return add_value_table(db_url, "app_rows")
 
 
 def _session(conn: sa.Connection) -> int:

@@ -39,8 +39,8 @@ from dualwrite.errors import (
 from dualwrite.writer import StateStore
 from tests.support.db import pg_ctl, private_postgres
 from tests.support.kafka import unique
+from tests.support.tables import add_value_table
 from tests.support.tcp_proxy import TcpProxy, contains
-from tests.writer import test_recipe
 from tests.writer.test_recipe import (
     assert_invariant,
     backend_pid,
@@ -48,11 +48,17 @@ from tests.writer.test_recipe import (
     lease_checked,
     rows,
     write,
+    writer_session,
 )
 
 pytestmark = pytest.mark.timeout(180)
 
-db_url = test_recipe.db_url  # dualwrite's tables and the application table app_rows
+
+@pytest.fixture
+def db_url(db_url: str) -> str:
+    """dualwrite's tables and the application table ``app_rows``."""
+    return add_value_table(db_url, "app_rows")
+
 
 TIMEOUT_S = 5.0
 
@@ -254,9 +260,9 @@ def test_session_terminated_while_idle_and_its_replacement_too(
     # The check after the commit first: killed under it, the session reads as lost, and the next
     # transaction locks first and replaces the connection twice (CI at 9ed9cb2).
     lease_checked(writer)
-    held = writer._conn
+    held = writer_session(engine, writer)
     assert held is not None
-    kill_backend(db_url, backend_pid(held))
+    kill_backend(db_url, held)
     import dualwrite.writer.connection as recipe
     real_connect = recipe.writer_connection  # type: ignore[attr-defined]
     replaced: list[int] = []
@@ -274,7 +280,7 @@ def test_session_terminated_while_idle_and_its_replacement_too(
     _typed(failed, DatabaseUnreachableError)
     assert len(replaced) == 1
     write(writer, topic, ["next"])
-    assert writer._conn is not held
+    assert writer_session(engine, writer) != held
     assert assert_invariant(engine, bootstrap, topic) == [b"kept", b"next"]
 
 

@@ -49,6 +49,7 @@ from dualwrite.participant import (
     TxnState,
 )
 from dualwrite.writer import PhaseHooks
+from tests.support.db import private_postgres
 from tests.support.fault_runner import (
     KINDS,
     Fault,
@@ -58,9 +59,10 @@ from tests.support.fault_runner import (
     heal_brokers,
     pg_ctl,
 )
+from tests.support.settings import KAFKA_VERSION
+from tests.support.tables import add_fault_rows_table
 from tests.support.tcp_proxy import TcpProxy
 
-KAFKA_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA_VERSION", "4.3.1")
 SHORT_SCHEDULE = ("worker-kill", "broker-pause", "coordinator-kill", "postgres-restart",
                   "leader-kill", "worker-kill", "broker-kill", "broker-pause",
                   "postgres-restart", "rolling-restart", "kafka-cut", "endtxn-lost",
@@ -91,20 +93,10 @@ def kafka_proxies(fault_cluster: LocalKafkaCluster) -> Iterator[list[TcpProxy]]:
 @pytest.fixture(scope="module")
 def fault_pg() -> Iterator[LocalPostgres]:
     """A PostgreSQL server of this module's own (it is restarted), with synchronous commits."""
-    pg = LocalPostgres(backend="binaries", settings={"synchronous_commit": "on"})
-    pg.start()
-    try:
+    with private_postgres(synchronous_commit="on") as pg:
         dualwrite.upgrade_database(pg.url)
-        engine = dualwrite.create_engine(pg.url)
-        with engine.begin() as conn:
-            conn.exec_driver_sql("CREATE TABLE fault_rows (id VARCHAR(200) PRIMARY KEY, "
-                                 "worker VARCHAR(200) NOT NULL)")
-        engine.dispose()
+        add_fault_rows_table(pg.url)
         yield pg
-    finally:
-        with contextlib.suppress(Exception):  # the server pg_ctl started, if it runs
-            pg_ctl(pg, "stop", "-m", "fast", "-w")
-        pg.stop()
 
 
 @pytest.fixture(scope="module")

@@ -27,12 +27,16 @@ from dualwrite import (
     RetriableError,
 )
 from dualwrite.cli import main as cli_main
-from tests.faults import test_lost_responses as lost
+from dualwrite.dev import LocalKafkaCluster
 from tests.support.kafka import unique
 from tests.support.tcp_proxy import TcpProxy, kafka_api
 
-# The proxied 1-broker cluster and its fixtures (a cluster of this module's own).
-proxied, proxy, cluster, topic = lost.proxied, lost.proxy, lost.cluster, lost.topic
+
+@pytest.fixture
+def topic(cluster: LocalKafkaCluster) -> str:
+    """A topic on the proxied cluster (``proxied``, ``proxy`` and ``cluster`` are fixtures of
+    tests/support/fixtures/proxied_kafka.py: a cluster of this module's own)."""
+    return cluster.create_topic(unique("lost"), 1, 1)
 
 pytestmark = pytest.mark.timeout(300)
 

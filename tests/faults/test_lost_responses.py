@@ -31,41 +31,14 @@ from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.writer import PhaseHooks
 from dualwrite.writer.lease import Leases
 from dualwrite.writer.state_store import StateStore
-from tests.conftest import BACKEND, KAFKA_VERSION
-from tests.support.db import fresh_schema
 from tests.support.kafka import in_thread, read_committed, unique, wait_for
+from tests.support.tables import ORDERS
 from tests.support.tcp_proxy import TcpProxy, contains, kafka_api
 
 END_TXN = 26
 PRODUCE = 0
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def proxied() -> Iterator[tuple[LocalKafkaCluster, TcpProxy]]:
-    """A 1-broker cluster whose clients go through a Kafka-framing proxy; (cluster, proxy)."""
-    if BACKEND == "docker":
-        pytest.skip("the proxied listener needs the jars backend")
-    cluster = LocalKafkaCluster(brokers=1, kafka_version=KAFKA_VERSION, backend="jars",
-                                proxied=True)
-    with cluster, TcpProxy(cluster.external_ports[0], port=cluster.proxy_ports[0],
-                           kafka_framing=True) as proxy:
-        yield cluster, proxy
-
-
-@pytest.fixture
-def proxy(proxied: tuple[LocalKafkaCluster, TcpProxy]) -> Iterator[TcpProxy]:
-    _, p = proxied
-    yield p
-    p.disarm()
-    p.refuse(False)
-    p.release()
-
-
-@pytest.fixture
-def cluster(proxied: tuple[LocalKafkaCluster, TcpProxy]) -> LocalKafkaCluster:
-    return proxied[0]
 
 
 @pytest.fixture
@@ -79,18 +52,6 @@ def _config(cluster: LocalKafkaCluster, **extra: Any) -> dict[str, Any]:
             **extra}
 
 
-ORDERS = sa.Table("lost_orders", sa.MetaData(), sa.Column("id", sa.String(64), primary_key=True))
-
-
-@pytest.fixture
-def pg_url(postgres_url: str) -> Iterator[str]:
-    """A fresh schema with dualwrite's tables and the test's table."""
-    with fresh_schema(postgres_url, "dw_lost") as text:
-        dualwrite.upgrade_database(text)
-        engine = dualwrite.create_engine(text)
-        ORDERS.create(engine)
-        engine.dispose()
-        yield text
 
 
 @contextlib.contextmanager

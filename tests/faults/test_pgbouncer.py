@@ -29,9 +29,10 @@ from dualwrite.database import advisory_keys, normalize_url
 from dualwrite.dev import LocalPgBouncer
 from dualwrite.dev.pgbouncer import PoolMode
 from dualwrite.writer import PhaseHooks
-from tests.faults.test_crash_matrix import ROWS, TID_PREFIX, CrashLoop, prepare_database
+from tests.support.crash_loop import ROWS, TID_PREFIX, CrashLoop
 from tests.support.db import fresh_postgres_database
 from tests.support.kafka import read_committed
+from tests.support.tables import prepare_database
 from tests.support.workers import CRASH_WORKER, worker_env
 from tests.support.workers.crash_worker import EVENTS, row_ids
 

@@ -17,7 +17,6 @@ commits, so an immediate shutdown loses no acknowledged COMMIT) and the shared K
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import random
 import threading
@@ -35,12 +34,11 @@ import dualwrite
 from dualwrite.dev import LocalPostgres
 from dualwrite.dev.kafka_cluster import KafkaTarget
 from dualwrite.writer import StateStore
+from tests.support.db import private_postgres
 from tests.support.fault_runner import Fault, FaultRunner, pg_ctl
 from tests.support.kafka import unique
-from tests.writer import test_recipe
+from tests.support.tables import add_fault_rows_table, add_value_table
 from tests.writer.test_protocol import lapsed_lease
-
-writers = test_recipe.writers
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -49,21 +47,11 @@ pytestmark = pytest.mark.timeout(600)
 def private_pg() -> Iterator[LocalPostgres]:
     """A PostgreSQL server of this module's own, with dualwrite's tables, ``app_rows`` (the
     recipe tests' table) and ``fault_rows`` (the fault workers')."""
-    pg = LocalPostgres(backend="binaries", settings={"synchronous_commit": "on"})
-    pg.start()
-    try:
+    with private_postgres(synchronous_commit="on") as pg:
         dualwrite.upgrade_database(pg.url)
-        engine = dualwrite.create_engine(pg.url)
-        with engine.begin() as conn:
-            conn.exec_driver_sql("CREATE TABLE app_rows (value VARCHAR(100) PRIMARY KEY)")
-            conn.exec_driver_sql("CREATE TABLE fault_rows (id VARCHAR(200) PRIMARY KEY, "
-                                 "worker VARCHAR(200) NOT NULL)")
-        engine.dispose()
+        add_value_table(pg.url, "app_rows")
+        add_fault_rows_table(pg.url)
         yield pg
-    finally:
-        with contextlib.suppress(Exception):  # the server pg_ctl started, if it runs
-            pg_ctl(pg, "stop", "-m", "fast", "-w")
-        pg.stop()
 
 
 def _ensure_running(pg: LocalPostgres) -> None:

@@ -42,13 +42,13 @@ import dualwrite
 from dualwrite.batch.naming import transactional_id
 from dualwrite.dev import LocalKafkaCluster, LocalPostgres
 from tests.support.fault_runner import FaultRunner, heal_brokers, pg_ctl
+from tests.support.settings import KAFKA_VERSION
 from tests.support.spark import Pipeline, write_source_file
 
 pytest.importorskip("pyspark", reason="the Spark sink needs dualwrite[spark]")
 
 pytestmark = [pytest.mark.spark]
 
-KAFKA_VERSION = os.environ.get("DUALWRITE_TEST_KAFKA_VERSION", "4.3.1")
 SCHEDULE = ("coordinator-kill", "leader-kill", "broker-pause", "rolling-restart",
             "postgres-restart")
 PARTITIONS = 4

@@ -37,9 +37,9 @@ from dualwrite.dev import DevClusterError, LocalKafkaCluster, LocalPostgres
 from dualwrite.participant.control_plane import ControlPlane, TxnState
 from dualwrite.participant.identifiers import TopicPartition
 from dualwrite.recovery.report import Condition
-from tests.conftest import KAFKA_VERSION
 from tests.support.db import fresh_schema, pg_ctl, private_postgres
 from tests.support.kafka import closed_port, read_committed, unique
+from tests.support.settings import KAFKA_VERSION
 from tests.support.tcp_proxy import TcpProxy, contains
 
 pytestmark = pytest.mark.timeout(240)

@@ -47,8 +47,7 @@ from dualwrite.participant import (
     complete,
 )
 from dualwrite.participant.kafka_errors import FatalKafkaError, FencedKafkaError
-from tests.faults.test_crash_matrix import CrashLoop
-from tests.faults.test_crash_matrix import pg_db_url as pg_db_url
+from tests.support.crash_loop import CrashLoop
 from tests.support.kafka import (
     TxnProducer,
     create_topic,
@@ -86,12 +85,6 @@ def bootstrap(kfake: LocalKfake) -> str:
 @pytest.fixture
 def topic(bootstrap: str) -> str:
     return create_topic(bootstrap, unique("alt"), partitions=2)
-
-
-@pytest.fixture
-def cp(bootstrap: str) -> Iterator[ControlPlane]:
-    with ControlPlane({"bootstrap.servers": bootstrap}, timeout_s=15) as plane:
-        yield plane
 
 
 def _open(bootstrap: str, topic: str, tid: str, timeout_ms: int = 60_000

@@ -38,11 +38,6 @@ from tests.support.kafka import prepare_open, unique, wait_for
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def kconf(bootstrap: str) -> dict[str, Any]:
-    return {"bootstrap.servers": bootstrap}
-
-
 def _anchor_tp(state: PreparedTxnState) -> TopicPartition:
     assert state.anchor is not None
     return TopicPartition(state.anchor.topic, state.anchor.partition)

@@ -9,7 +9,6 @@ and 4.4 too. The KIP-939 checks use ``kafka_2pc``; the 3.9-only checks ``kafka39
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -44,12 +43,6 @@ def bootstrap(kafka: Any) -> str:
     versions."""
     servers: str = kafka.bootstrap_servers
     return servers
-
-
-@pytest.fixture
-def cp(bootstrap: str) -> Iterator[ControlPlane]:
-    with ControlPlane({"bootstrap.servers": bootstrap}, timeout_s=15) as plane:
-        yield plane
 
 
 @pytest.fixture

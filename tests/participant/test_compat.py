@@ -34,20 +34,17 @@ from dualwrite.dev import LocalKafkaCluster
 from dualwrite.dev.maven import major_version
 from dualwrite.participant import ControlPlane, TxnState
 from dualwrite.participant._kafka_python_seam import KafkaLink
-from tests.conftest import BACKEND, COMPAT_VERSIONS
 from tests.faults import test_lost_responses as lost
-from tests.faults.test_crash_matrix import CrashLoop
-from tests.faults.test_crash_matrix import pg_db_url as pg_db_url
-from tests.faults.test_lost_responses import pg_url as pg_url
 from tests.participant import test_anchor_checks as anchors
 from tests.participant import test_broker_facts as facts
 from tests.participant import test_control_plane as control
 from tests.participant import test_kafka_python_seam as seam_tests
+from tests.support.crash_loop import CrashLoop
 from tests.support.kafka import TxnProducer, create_topic, unique
+from tests.support.settings import BACKEND, COMPAT_VERSIONS
+from tests.support.tables import add_value_table
 from tests.support.tcp_proxy import TcpProxy
 from tests.writer import test_recipe as recipe
-from tests.writer.test_recipe import db_url as db_url
-from tests.writer.test_recipe import writers as writers
 
 P = ParamSpec("P")
 
@@ -104,7 +101,6 @@ test_committed_transaction_reads_as_committed = (
     anchors.test_committed_transaction_reads_as_committed)
 test_aborted_transaction_still_reads_as_aborted = (
     F(anchors.test_aborted_transaction_still_reads_as_aborted))
-kconf = anchors.kconf
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -156,9 +152,9 @@ def topic(bootstrap: str) -> str:
 
 
 @pytest.fixture
-def cp(bootstrap: str) -> Iterator[ControlPlane]:
-    with ControlPlane({"bootstrap.servers": bootstrap}, timeout_s=15) as plane:
-        yield plane
+def db_url(db_url: str) -> str:
+    """dualwrite's tables and the recipe tests' table ``app_rows``."""
+    return add_value_table(db_url, "app_rows")
 
 
 @pytest.fixture

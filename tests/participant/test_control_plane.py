@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -57,12 +56,6 @@ def is_kafka4() -> bool:
 def has_2pc_config(is_kafka4: bool) -> bool:
     """Whether the broker knows ``transaction.two.phase.commit.enable`` (KIP-939, Kafka 4.1+)."""
     return is_kafka4
-
-
-@pytest.fixture
-def cp(bootstrap: str) -> Iterator[ControlPlane]:
-    with ControlPlane({"bootstrap.servers": bootstrap}, timeout_s=15) as plane:
-        yield plane
 
 
 @pytest.fixture

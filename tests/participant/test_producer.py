@@ -42,12 +42,6 @@ def config(bootstrap: str, tid: str) -> dict[str, Any]:
 
 
 @pytest.fixture
-def cp(bootstrap: str) -> Iterator[ControlPlane]:
-    with ControlPlane({"bootstrap.servers": bootstrap}, timeout_s=15) as plane:
-        yield plane
-
-
-@pytest.fixture
 def producers(config: dict[str, Any]) -> Iterator[Any]:
     """``make(**overrides)``: a TwoPhaseProducer, closed at the end of the test."""
     made: list[TwoPhaseProducer] = []

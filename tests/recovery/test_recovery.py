@@ -26,11 +26,6 @@ def store(engine: sa.Engine) -> StateStore:
     return StateStore(engine)
 
 
-@pytest.fixture
-def kconf(bootstrap: str) -> dict[str, Any]:
-    return {"bootstrap.servers": bootstrap}
-
-
 def decide(store: StateStore, tid: str, state: PreparedTxnState | str) -> None:
     """What the database committed for ``tid``."""
     assert store.compare_and_set(tid, "", str(state))

@@ -14,8 +14,7 @@ import sqlalchemy as sa
 
 from dualwrite.batch.decision_log import DecisionLog
 from dualwrite.participant.control_plane import ControlPlane
-from tests.batch.test_coordinator import encoded, open_in_pool, prepare
-from tests.spark.test_sink import pipeline  # noqa: F401 (fixture)
+from tests.support.batch import encoded, open_in_pool, prepare
 from tests.support.kafka import read_committed, unique
 from tests.support.spark import Pipeline, batches
 
@@ -28,7 +27,7 @@ pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
 def test_a_broker_error_after_the_decision_never_rewrites_the_batch(
-        pipeline: Pipeline) -> None:  # noqa: F811
+        pipeline: Pipeline) -> None:
     """Batch 1 decided, then the broker is unreachable between its participant commits: the
     sink must complete batch 1, not write it again (which aborts its decided participants and
     then skips the new decision as a replay: rows published, records lost)."""

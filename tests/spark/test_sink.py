@@ -20,40 +20,21 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
 import dualwrite
 from dualwrite.batch.decision_log import DecisionLog
 from tests.support.spark import (
-    EVENTS_PER_FILE,
     FILES,
     Pipeline,
     StandaloneSpark,
     batches,
-    write_source_file,
 )
 
 pytest.importorskip("pyspark", reason="the Spark sink needs dualwrite[spark]")
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
-
-
-@pytest.fixture
-def pipeline(kafka: Any, new_topic: Any, empty_db_url: str, tmp_path: Path) -> Pipeline:
-    source = tmp_path / "source"
-    source.mkdir()
-    for f in range(FILES):
-        # The modification times give the order Spark reads the files in.
-        write_source_file(source, f, EVENTS_PER_FILE, mtime=1_700_000_000 + f)
-    engine = dualwrite.create_engine(empty_db_url)
-    with engine.begin() as conn:
-        conn.execute(sa.text("CREATE TABLE events (event_id BIGINT PRIMARY KEY, payload TEXT)"))
-    engine.dispose()
-    return Pipeline(kafka.bootstrap_servers, empty_db_url, new_topic(kafka, partitions=4),
-                    f"sink-{uuid.uuid4().hex[:8]}", source, tmp_path / "checkpoint")
 
 
 # -- the happy path and replays --------------------------------------------------------------

@@ -26,11 +26,15 @@ import dualwrite
 from dualwrite import DualWriter, FatalError, TransactionStateError
 from dualwrite.writer import PhaseHooks, StateStore
 from tests.support.kafka import read_committed, unique
-from tests.writer import test_recipe
+from tests.support.tables import add_value_table
 from tests.writer.test_recipe import rows, write
 
-db_url = test_recipe.db_url
-writers = test_recipe.writers
+
+@pytest.fixture
+def db_url(db_url: str) -> str:
+    """dualwrite's tables and the application table ``app_rows``."""
+    return add_value_table(db_url, "app_rows")
+
 
 pytestmark = pytest.mark.timeout(120)
 

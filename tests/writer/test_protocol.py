@@ -33,27 +33,30 @@ from dualwrite.participant import TxnState
 from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.writer import PhaseHooks, StateStore
 from tests.support.kafka import in_thread, read_committed, unique, wait_for
-from tests.writer import test_recipe
+from tests.support.tables import EVERY_BACKEND, add_value_table
 from tests.writer.test_recipe import (
     assert_invariant,
-    backend_pid,
     heuristic_state,
     kill_backend,
     kill_session_before_the_decision,
     rows,
     write,
     write_produce_first,
+    writer_session,
 )
 
 # The recipe tests' fixtures: a database with the application table, and writers closed at the end.
-db_url = test_recipe.db_url
-writers = test_recipe.writers
+
+@pytest.fixture
+def db_url(db_url: str) -> str:
+    """dualwrite's tables and the application table ``app_rows``."""
+    return add_value_table(db_url, "app_rows")
+
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(params=["postgresql", "sqlite",
-                        pytest.param("mariadb", marks=pytest.mark.mariadb_full)])
+@pytest.fixture(params=EVERY_BACKEND)
 def backend(request: pytest.FixtureRequest) -> str:
     """Every interleaving on every database (narrowed per test where it needs a server's own
     fault). On MariaDB the tests parametrized with it explicitly run always, the others with
@@ -275,8 +278,9 @@ def test_recovery_after_the_lease_was_lost_cannot_commit_the_writers_next_transa
     writer = writers(engine, unique("lapsed"))
 
     def terminate() -> None:
-        assert writer._conn is not None
-        kill_backend(db_url, backend_pid(writer._conn))
+        session = writer_session(engine, writer)
+        assert session is not None
+        kill_backend(db_url, session)
 
     lapsed_lease(writer, engine, bootstrap, topic, monkeypatch, terminate)
 

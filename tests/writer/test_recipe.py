@@ -6,10 +6,8 @@ the records a read_committed consumer sees in Kafka (each row's value is also a 
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -25,44 +23,21 @@ from dualwrite import (
     MigrationRequiredError,
     ProducerFencedError,
 )
-from dualwrite.database import normalize_url
+from dualwrite.database import LEASE_LOCKS, SessionLocks, normalize_url
 from dualwrite.participant import TxnState
 from dualwrite.participant.completion import Outcome, complete
 from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.writer import PhaseHooks, StateStore
 from tests.support.kafka import closed_port, in_thread, read_committed, unique, wait_for
+from tests.support.tables import add_value_table
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-def db_url(empty_db_url: str) -> str:
-    """An empty database with dualwrite's tables and the application table ``app_rows``."""
-    dualwrite.upgrade_database(empty_db_url)
-    engine = dualwrite.create_engine(empty_db_url)
-    with engine.begin() as conn:
-        conn.exec_driver_sql("CREATE TABLE app_rows (value VARCHAR(100) PRIMARY KEY)")
-    engine.dispose()
-    return empty_db_url
-
-
-@pytest.fixture
-def writers(bootstrap: str) -> Iterator[Callable[..., DualWriter]]:
-    """``make(engine, tid, **kw)``: a DualWriter, closed at the end of the test."""
-    made: list[DualWriter] = []
-
-    def make(engine: Any, tid: str, kafka_extra: dict[str, Any] | None = None,
-             **kw: Any) -> DualWriter:
-        config = {"bootstrap.servers": bootstrap, "linger.ms": 0,
-                  "transaction.timeout.ms": 60_000, **(kafka_extra or {})}
-        writer = DualWriter(engine, config, transactional_id=tid, timeout_s=20, **kw)
-        made.append(writer)
-        return writer
-
-    yield make
-    for writer in made:
-        with contextlib.suppress(Exception):  # a fenced producer's close() raises
-            writer.close()
+def db_url(db_url: str) -> str:
+    """dualwrite's tables and the application table ``app_rows``."""
+    return add_value_table(db_url, "app_rows")
 
 
 def rows(engine: sa.Engine) -> list[bytes]:
@@ -280,6 +255,13 @@ def backend_pid(conn: sa.Connection) -> int:
     return int(conn.connection.dbapi_connection.info.backend_pid)  # type: ignore[union-attr]
 
 
+def writer_session(engine: sa.Engine, writer: DualWriter) -> int | None:
+    """The server session of ``writer``'s own connection: the one holding its lease (None when
+    nobody holds it)."""
+    with engine.connect() as conn:
+        return SessionLocks(engine, LEASE_LOCKS).holder(conn, writer.transactional_id)
+
+
 def kill_session_before_the_decision(monkeypatch: pytest.MonkeyPatch, db_url: str
                                      ) -> list[int]:
     """Make the next state-row write and COMMIT (one pipelined round trip on psycopg) go out on a
@@ -328,11 +310,11 @@ def test_connection_lost_while_idle_is_replaced(
     meanwhile, the next transaction reconnects before anything happened and goes through."""
     writer = writers(engine, unique("recipe-idle"))
     write(writer, topic, ["first"])
-    held = writer._conn
+    held = writer_session(engine, writer)
     assert held is not None
-    kill_backend(db_url, backend_pid(held))
+    kill_backend(db_url, held)
     write(writer, topic, ["second"])
-    assert writer._conn is not held
+    assert writer_session(engine, writer) != held
     assert assert_invariant(engine, bootstrap, topic) == [b"first", b"second"]
 
 
@@ -516,7 +498,7 @@ def lease_checked(writer: DualWriter) -> None:
     """Wait for the lease check the writer runs after its Kafka commit: a claim made before it
     answered would make the next transaction lock first (docs/design.md, "The lease under
     session loss"), and these tests claim the id while that transaction's record is on its way."""
-    writer._lease_verdict()
+    writer.lease_keeper.verdict()
 
 
 def _in_the_log(cp: ControlPlane, tid: str) -> bool:

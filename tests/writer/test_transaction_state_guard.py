@@ -35,12 +35,16 @@ from dualwrite import (
 from dualwrite.writer import handle
 from tests.database.test_statements import _dressed
 from tests.support.kafka import read_committed, unique
-from tests.writer import test_recipe
+from tests.support.tables import add_value_table
 from tests.writer.test_handle_guard import assert_clean
 from tests.writer.test_recipe import rows
 
-db_url = test_recipe.db_url
-writers = test_recipe.writers
+
+@pytest.fixture
+def db_url(db_url: str) -> str:
+    """dualwrite's tables and the application table ``app_rows``."""
+    return add_value_table(db_url, "app_rows")
+
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -61,6 +61,13 @@ class Backend:
     """Whether rows can be streamed in with ``COPY ... FROM STDIN`` (PostgreSQL's)."""
     row_locks = False
     """Whether ``SELECT ... FOR UPDATE`` locks rows (SQLite: one write lock serves instead)."""
+    commit_by_row_version = False
+    """Whether the outcome of a COMMIT whose answer was lost is read from the session that ran
+    it and the state row version it wrote (:meth:`next_version`), the server having no
+    transaction status to ask by id (MariaDB)."""
+    failed_commit_rolled_back = False
+    """Whether a COMMIT that raised is known not to have been applied: SQLite commits
+    atomically, and a failed COMMIT leaves the transaction open (busy) or rolls it back."""
     session_reset_hint = ""
     """Appended to the refusal of a session that inherited another client's session locks: how
     a pooler of this database resets sessions between clients."""
@@ -100,6 +107,11 @@ class Backend:
         """Bound ``conn``'s session's waits for row locks by ``timeout_s`` for the block, where
         only the session's setting can (MariaDB); nothing elsewhere."""
         yield
+
+    def tuple_insert_sql(self, table: str, columns: Sequence[str]) -> str | None:
+        """A driver-level INSERT into ``columns`` for an ``executemany`` of plain tuples, where
+        that is faster than SQLAlchemy's insert of dictionaries (SQLite); None elsewhere."""
+        return None
 
     def next_version(self) -> Any:
         """The ``updated_at`` a write of a state row stores."""

@@ -31,6 +31,7 @@ class MariaDB(Backend):
     session_noun = "connection"
     session_id_sql = "CONNECTION_ID()"
     row_locks = True
+    commit_by_row_version = True
 
     @staticmethod
     def lock_name(space: LockSpace, name: str) -> str:

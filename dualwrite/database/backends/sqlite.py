@@ -20,6 +20,7 @@ class SQLite(Backend):
     dialects = frozenset({"sqlite"})
     sql_family = "sqlite"
     single_writer = True
+    failed_commit_rolled_back = True
 
     def insert_missing(self, table: sa.Table, values: Mapping[str, Any]) -> Any:
         return sqlite.insert(table).values(values).on_conflict_do_nothing()
@@ -28,6 +29,11 @@ class SQLite(Backend):
                update: Mapping[str, Any]) -> Any:
         return sqlite.insert(table).values(list(rows)).on_conflict_do_update(
             index_elements=[key], set_=dict(update))
+
+    def tuple_insert_sql(self, table: str, columns: Sequence[str]) -> str:
+        names = ", ".join(f'"{c}"' for c in columns)
+        marks = ", ".join("?" for _ in columns)
+        return f'INSERT INTO "{table}" ({names}) VALUES ({marks})'
 
     def lock_folder(self, engine: Engine, suffix: str) -> Path | None:
         """``<db><suffix>`` beside the database file; None for an in-memory database (one

@@ -28,7 +28,7 @@ from dualwrite import AsyncDualWriterPool, TransactionStateError
 from dualwrite.participant import PreparedTxnState
 from dualwrite.writer import PhaseHooks
 from tests.support.kafka import read_committed, unique
-from tests.writer.pool import test_pool
+from tests.support.tables import add_value_table
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -46,7 +46,10 @@ def backend() -> str:
     return "postgresql"
 
 
-db_url = test_pool.db_url
+@pytest.fixture
+def db_url(db_url: str) -> str:
+    """dualwrite's tables and the pool tests' table ``pool_rows``."""
+    return add_value_table(db_url, "pool_rows")
 
 
 @pytest.fixture

@@ -21,27 +21,22 @@ import dualwrite
 from dualwrite import DualWriterPool, ProducerFencedError, TwoPhaseProducer
 from tests.support import REPO_ROOT
 from tests.support.kafka import read_committed, unique
+from tests.support.tables import EVERY_BACKEND, add_value_table
 from tests.support.workers import POOL_WORKER, worker_env
 
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(params=["postgresql", "sqlite",
-                        pytest.param("mariadb", marks=pytest.mark.mariadb_full)])
+@pytest.fixture(params=EVERY_BACKEND)
 def backend(request: pytest.FixtureRequest) -> str:
     """Every database; on MariaDB the slot locks' test always, the rest with
     ``--mariadb-full``."""
     return str(request.param)
 
 @pytest.fixture
-def db_url(empty_db_url: str) -> str:
-    """An empty database with dualwrite's tables and the application table ``pool_rows``."""
-    dualwrite.upgrade_database(empty_db_url)
-    engine = dualwrite.create_engine(empty_db_url)
-    with engine.begin() as conn:
-        conn.exec_driver_sql("CREATE TABLE pool_rows (value VARCHAR(100) PRIMARY KEY)")
-    engine.dispose()
-    return empty_db_url
+def db_url(db_url: str) -> str:
+    """dualwrite's tables and the application table ``pool_rows``."""
+    return add_value_table(db_url, "pool_rows")
 
 
 def insert(conn: sa.Connection, value: str) -> None:
