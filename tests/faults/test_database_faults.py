@@ -39,9 +39,7 @@ from dualwrite.errors import (
 from dualwrite.writer import StateStore
 from tests.support.db import pg_ctl, private_postgres
 from tests.support.kafka import unique
-from tests.support.tables import add_value_table
-from tests.support.tcp_proxy import TcpProxy, contains
-from tests.writer.test_recipe import (
+from tests.support.recipe import (
     assert_invariant,
     backend_pid,
     kill_backend,
@@ -50,6 +48,8 @@ from tests.writer.test_recipe import (
     write,
     writer_session,
 )
+from tests.support.tables import add_value_table
+from tests.support.tcp_proxy import TcpProxy, contains
 
 pytestmark = pytest.mark.timeout(180)
 

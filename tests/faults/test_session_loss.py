@@ -37,8 +37,8 @@ from dualwrite.writer import StateStore
 from tests.support.db import private_postgres
 from tests.support.fault_runner import Fault, FaultRunner, pg_ctl
 from tests.support.kafka import unique
+from tests.support.recipe import lapsed_lease
 from tests.support.tables import add_fault_rows_table, add_value_table
-from tests.writer.test_protocol import lapsed_lease
 
 pytestmark = pytest.mark.timeout(600)
 

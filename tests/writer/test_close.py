@@ -17,8 +17,8 @@ import sqlalchemy as sa
 from dualwrite import DualWriter, TransactionStateError
 from dualwrite.writer import Leases, StateStore
 from tests.support.kafka import read_committed, unique
+from tests.support.recipe import rows, write
 from tests.support.tables import add_value_table
-from tests.writer.test_recipe import rows, write
 
 
 @pytest.fixture

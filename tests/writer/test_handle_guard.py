@@ -24,10 +24,10 @@ from sqlalchemy.orm import Session
 
 import dualwrite
 from dualwrite import DualWriter, FatalError, TransactionStateError
-from dualwrite.writer import PhaseHooks, StateStore
+from dualwrite.writer import PhaseHooks
 from tests.support.kafka import read_committed, unique
+from tests.support.recipe import assert_clean, rows, write
 from tests.support.tables import add_value_table
-from tests.writer.test_recipe import rows, write
 
 
 @pytest.fixture
@@ -39,19 +39,6 @@ def db_url(db_url: str) -> str:
 pytestmark = pytest.mark.timeout(120)
 
 INSERT = sa.text("INSERT INTO app_rows (value) VALUES (:v)")
-
-
-def assert_clean(writer: DualWriter, engine: sa.Engine, bootstrap: str, topic: str,
-                 expected: list[bytes]) -> None:
-    """Rows == ``expected``, nothing open (the state row can be locked at once), and the next
-    transaction of the same writer commits: then rows == read_committed records (which also
-    needs every partition's end reachable, i.e. no Kafka transaction left open)."""
-    assert rows(engine) == expected
-    with engine.connect() as conn, conn.begin():  # nobody holds the state row's lock
-        StateStore(engine).lock_row(conn, writer.transactional_id, timeout_s=2)
-    write(writer, topic, ["next"])
-    assert rows(engine) == sorted([*expected, b"next"])
-    assert read_committed(bootstrap, topic, timeout_s=10) == rows(engine)
 
 
 def _misuse(name: str) -> Callable[[sa.Connection], object]:

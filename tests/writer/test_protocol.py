@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -25,35 +24,34 @@ import dualwrite
 from dualwrite import (
     DualWriter,
     HeuristicAbortError,
-    PreparedTxnState,
     ProducerFencedError,
     TwoPhaseProducer,
 )
 from dualwrite.participant import TxnState
 from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.writer import PhaseHooks, StateStore
-from tests.support.kafka import in_thread, read_committed, unique, wait_for
-from tests.support.tables import EVERY_BACKEND, add_value_table
-from tests.writer.test_recipe import (
+from tests.support.kafka import in_thread, read_committed, unique
+from tests.support.recipe import (
+    CommitWindow,
     assert_invariant,
     heuristic_state,
     kill_backend,
     kill_session_before_the_decision,
+    lapsed_lease,
     rows,
     write,
     write_produce_first,
     writer_session,
 )
+from tests.support.tables import EVERY_BACKEND, add_value_table
 
-# The recipe tests' fixtures: a database with the application table, and writers closed at the end.
+pytestmark = pytest.mark.timeout(120)
+
 
 @pytest.fixture
 def db_url(db_url: str) -> str:
     """dualwrite's tables and the application table ``app_rows``."""
     return add_value_table(db_url, "app_rows")
-
-
-pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(params=EVERY_BACKEND)
@@ -62,67 +60,6 @@ def backend(request: pytest.FixtureRequest) -> str:
     fault). On MariaDB the tests parametrized with it explicitly run always, the others with
     ``--mariadb-full``."""
     return str(request.param)
-
-
-def _next_transaction_in_the_log(cp: ControlPlane, tid: str, anchor: PreparedTxnState) -> bool:
-    """The coordinator's open transaction of ``tid`` started somewhere other than ``anchor``'s
-    offset: the session's next transaction has a record in a partition's log."""
-    desc = cp.describe_transaction(tid)
-    if desc is None or desc.state is not TxnState.ONGOING or not desc.partitions:
-        return False
-    assert anchor.anchor is not None
-    named = (anchor.anchor.partition, anchor.anchor.offset)
-    return any(p.producer_id == desc.producer_id and p.current_txn_start_offset is not None
-               and (tp.partition, p.current_txn_start_offset) != named
-               for tp, ps in cp.describe_producers(desc.partitions).items() for p in ps)
-
-
-class _Window:
-    """Holds a writer between its database COMMIT and its Kafka commit, and delays every
-    EndTxn(commit) sent by (producer id, epoch) until that writer committed its transaction and
-    its next transaction's first record is in the log: the window in which an EndTxn decided
-    from a snapshot lands on the wrong transaction. ``patience_s``: how long the EndTxn waits
-    for that next transaction before it is sent anyway (``next_seen`` tells whether it came)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, producer: TwoPhaseProducer,
-                 engine: sa.Engine, bootstrap: str, patience_s: float | None = None) -> None:
-        self.at_gate = threading.Event()
-        self.gate = threading.Event()
-        self.commits_sent: list[str] = []
-        self.next_seen = False
-        tid = producer.transactional_id
-        real_commit = producer.commit_transaction
-
-        def gated_commit() -> None:
-            if not self.gate.is_set():
-                self.at_gate.set()
-                self.gate.wait(30)
-            real_commit()
-
-        real_end = ControlPlane.end_transaction
-
-        def delayed_end(cp: ControlPlane, tid_: str, pid: int, epoch: int,
-                        commit: bool) -> None:
-            if commit and tid_ == tid:
-                self.commits_sent.append(tid_)
-                row = StateStore(engine).read(tid)
-                assert row is not None
-                decided = PreparedTxnState.parse(row.prepared_txn_state)
-                self.gate.set()  # the writer commits its transaction and begins the next one
-                with ControlPlane({"bootstrap.servers": bootstrap}, timeout_s=10) as probe:
-                    if patience_s is None:
-                        wait_for(lambda: _next_transaction_in_the_log(probe, tid, decided), 15,
-                                 what="the writer's next transaction in the log")
-                        self.next_seen = True
-                    else:
-                        deadline = time.monotonic() + patience_s
-                        while not self.next_seen and time.monotonic() < deadline:
-                            self.next_seen = _next_transaction_in_the_log(probe, tid, decided)
-                            time.sleep(0.05)
-            real_end(cp, tid_, pid, epoch, commit)
-
-        monkeypatch.setattr(producer, "commit_transaction", gated_commit)
-        monkeypatch.setattr(ControlPlane, "end_transaction", delayed_end)
 
 
 # -- 1. nobody ends a live writer's transaction by (producer id, epoch) ---------------------
@@ -139,7 +76,7 @@ def test_recovery_leaves_a_live_writer_alone_whatever_the_delays(
     writer = writers(engine, tid)
     write_produce_first(writer, topic, "t0")  # the session, its claim and its lease
     generation = StateStore(engine).read(tid).fencing_generation  # type: ignore[union-attr]
-    window = _Window(monkeypatch, writer.producer, engine, bootstrap)
+    window = CommitWindow(monkeypatch, writer.producer, engine, bootstrap)
 
     def two_writes() -> None:
         write_produce_first(writer, topic, "t1")  # held between its two commits
@@ -209,7 +146,7 @@ def test_a_second_writer_leaves_the_live_writers_transaction_to_it(
     tid = unique("live-two")
     first = writers(engine, tid)
     write_produce_first(first, topic, "t0")
-    window = _Window(monkeypatch, first.producer, engine, bootstrap)
+    window = CommitWindow(monkeypatch, first.producer, engine, bootstrap)
 
     def first_writes() -> None:
         write_produce_first(first, topic, "t1")
@@ -231,37 +168,6 @@ def test_a_second_writer_leaves_the_live_writers_transaction_to_it(
         first_errors
     assert window.commits_sent == []  # nobody committed t1 but its own writer
     second_engine.dispose()
-
-
-def lapsed_lease(writer: DualWriter, engine: sa.Engine, bootstrap: str, topic: str,
-                 monkeypatch: pytest.MonkeyPatch, lose_session: Callable[[], None]) -> _Window:
-    """The writer's database session is lost (``lose_session``) while it is between its two
-    commits of t1, so its lease is free; recovery takes the lease and sends EndTxn(commit) for
-    t1 by (producer id, epoch), delayed until the writer's next transaction (t2) is in the log
-    (at most 3 s). Asserts the invariant; returns the window for more checks."""
-    tid = writer.transactional_id
-    write_produce_first(writer, topic, "t0")
-    window = _Window(monkeypatch, writer.producer, engine, bootstrap, patience_s=3.0)
-    before = writer.producer.identity
-
-    def two_writes() -> None:
-        write_produce_first(writer, topic, "t1")
-        write_produce_first(writer, topic, "t2")
-
-    thread, errors = in_thread(two_writes)
-    assert window.at_gate.wait(20)
-    lose_session()  # the lease goes with the session
-    dualwrite.recover(engine, {"bootstrap.servers": bootstrap}, [tid], timeout_s=20)
-    window.gate.set()
-    thread.join(60)
-    assert not thread.is_alive()
-    assert errors == []  # before: HeuristicCommitError (t2 committed by recovery's EndTxn)
-    assert assert_invariant(engine, bootstrap, topic) == [b"t0", b"t1", b"t2"]
-    assert window.commits_sent == [tid]  # recovery did send its EndTxn by (producer id, epoch)
-    assert not window.next_seen, "the writer began t2 on the (producer id, epoch) recovery used"
-    after = writer.producer.identity
-    assert before is not None and after is not None and after.epoch != before.epoch
-    return window
 
 
 @pytest.mark.parametrize("backend", ["postgresql", "mariadb"], indirect=True)

@@ -23,12 +23,22 @@ from dualwrite import (
     MigrationRequiredError,
     ProducerFencedError,
 )
-from dualwrite.database import LEASE_LOCKS, SessionLocks, normalize_url
 from dualwrite.participant import TxnState
 from dualwrite.participant.completion import Outcome, complete
 from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.writer import PhaseHooks, StateStore
 from tests.support.kafka import closed_port, in_thread, read_committed, unique, wait_for
+from tests.support.recipe import (
+    assert_invariant,
+    heuristic_state,
+    kill_backend,
+    kill_session_before_the_decision,
+    lease_checked,
+    rows,
+    write,
+    write_produce_first,
+    writer_session,
+)
 from tests.support.tables import add_value_table
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,27 +48,6 @@ pytestmark = pytest.mark.timeout(120)
 def db_url(db_url: str) -> str:
     """dualwrite's tables and the application table ``app_rows``."""
     return add_value_table(db_url, "app_rows")
-
-
-def rows(engine: sa.Engine) -> list[bytes]:
-    with engine.connect() as conn:
-        return sorted(v.encode() for v in conn.exec_driver_sql(
-            "SELECT value FROM app_rows").scalars())
-
-
-def write(writer: DualWriter, topic: str, values: list[str]) -> dualwrite.PreparedTxnState | None:
-    """One dual write: a row and a record per value."""
-    with writer.transaction() as tx:
-        for v in values:
-            tx.connection.execute(sa.text("INSERT INTO app_rows (value) VALUES (:v)"), {"v": v})
-            tx.produce(topic, v.encode(), key=v.encode())
-    return tx.state
-
-
-def assert_invariant(engine: sa.Engine, bootstrap: str, topic: str) -> list[bytes]:
-    committed_rows = rows(engine)
-    assert read_committed(bootstrap, topic) == committed_rows
-    return committed_rows
 
 
 # -- happy path and rollback -----------------------------------------------------------------
@@ -232,55 +221,6 @@ def test_two_writers_one_transactional_id_stale_one_is_fenced(
 # -- database connection lost during COMMIT (PostgreSQL) ------------------------------------
 
 
-def kill_backend(db_url: str, pid: int) -> None:
-    """End the server session ``pid``: pg_terminate_backend, or MariaDB's KILL CONNECTION."""
-    if normalize_url(db_url).get_backend_name() in ("mysql", "mariadb"):
-        killer_engine = dualwrite.create_engine(db_url)
-        try:
-            with killer_engine.connect() as killer:
-                killer.exec_driver_sql(f"KILL CONNECTION {int(pid)}")
-        finally:
-            killer_engine.dispose()
-        return
-    plain_url = normalize_url(db_url).set(drivername="postgresql").render_as_string(
-        hide_password=False)
-    with psycopg.connect(plain_url, autocommit=True) as killer:
-        killer.execute("SELECT pg_terminate_backend(%s)", (pid,))
-
-
-def backend_pid(conn: sa.Connection) -> int:
-    """The server session of ``conn``: PostgreSQL's backend pid, MariaDB's CONNECTION_ID()."""
-    if conn.dialect.name in ("mysql", "mariadb"):
-        return int(conn.connection.dbapi_connection.thread_id())  # type: ignore[union-attr]
-    return int(conn.connection.dbapi_connection.info.backend_pid)  # type: ignore[union-attr]
-
-
-def writer_session(engine: sa.Engine, writer: DualWriter) -> int | None:
-    """The server session of ``writer``'s own connection: the one holding its lease (None when
-    nobody holds it)."""
-    with engine.connect() as conn:
-        return SessionLocks(engine, LEASE_LOCKS).holder(conn, writer.transactional_id)
-
-
-def kill_session_before_the_decision(monkeypatch: pytest.MonkeyPatch, db_url: str
-                                     ) -> list[int]:
-    """Make the next state-row write and COMMIT (one pipelined round trip on psycopg) go out on a
-    session that pg_terminate_backend (MariaDB: KILL CONNECTION) has just ended; returns the
-    killed backend's pid, once it ran."""
-    real = StateStore.write_and_commit
-    killed: list[int] = []
-
-    def kill_then_write_and_commit(self: StateStore, conn: sa.Connection, tid: str,
-                                   state: str) -> None:
-        if not killed:
-            killed.append(backend_pid(conn))
-            kill_backend(db_url, killed[0])
-        real(self, conn, tid, state)
-
-    monkeypatch.setattr(StateStore, "write_and_commit", kill_then_write_and_commit)
-    return killed
-
-
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
 def test_connection_killed_before_commit_resolves_by_asking_db(
         writers: Any, engine: sa.Engine, bootstrap: str, topic: str, db_url: str,
@@ -345,32 +285,6 @@ def test_commit_error_after_db_committed_still_commits_kafka(
 
 
 # -- heuristic abort --------------------------------------------------------------------------
-
-
-def _crash_between_db_and_kafka_commit(writer: DualWriter, topic: str, values: list[str],
-                                       monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run one transaction whose Kafka commit never happens (the process 'dies' after the DB
-    commit), then close the writer; returns the state the database committed."""
-    producer = writer.producer
-    monkeypatch.setattr(producer, "commit_transaction", lambda: None)
-    state = write(writer, topic, values)
-    monkeypatch.undo()
-    writer.close()
-    assert state is not None and not state.is_empty
-    return str(state)
-
-
-def heuristic_state(writers: Any, engine: sa.Engine, bootstrap: str, topic: str, tid: str,
-                     monkeypatch: pytest.MonkeyPatch) -> str:
-    """Leave ``tid`` with a database-committed state whose Kafka transaction the broker aborted
-    (transaction.timeout.ms=2000 passed after a crash between the two commits)."""
-    crashed = writers(engine, tid, {"transaction.timeout.ms": 2000})
-    state = _crash_between_db_and_kafka_commit(crashed, topic, ["h1", "h2"], monkeypatch)
-    with ControlPlane({"bootstrap.servers": bootstrap}, timeout_s=10) as cp:
-        wait_for(lambda: (d := cp.describe_transaction(tid)) is not None
-                 and d.state is TxnState.COMPLETE_ABORT, 20, interval_s=0.25,
-                 what="the broker to abort the timed-out transaction")
-    return state
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
@@ -485,20 +399,6 @@ def test_coordinator_check_runs_only_when_the_transaction_is_old(
 
 
 # -- the lock taken after the first record ----------------------------------------------------
-
-
-def write_produce_first(writer: DualWriter, topic: str, value: str) -> None:
-    """A dual write whose record leaves before the state-row lock is taken."""
-    with writer.transaction() as tx:
-        tx.produce(topic, value.encode(), key=value.encode())
-        tx.connection.execute(sa.text("INSERT INTO app_rows (value) VALUES (:v)"), {"v": value})
-
-
-def lease_checked(writer: DualWriter) -> None:
-    """Wait for the lease check the writer runs after its Kafka commit: a claim made before it
-    answered would make the next transaction lock first (docs/design.md, "The lease under
-    session loss"), and these tests claim the id while that transaction's record is on its way."""
-    writer.lease_keeper.verdict()
 
 
 def _in_the_log(cp: ControlPlane, tid: str) -> bool:

@@ -33,11 +33,10 @@ from dualwrite import (
     UnknownTopicError,
 )
 from dualwrite.writer import handle
-from tests.database.test_statements import _dressed
 from tests.support.kafka import read_committed, unique
+from tests.support.recipe import assert_clean, rows
+from tests.support.statements import dressed
 from tests.support.tables import add_value_table
-from tests.writer.test_handle_guard import assert_clean
-from tests.writer.test_recipe import rows
 
 
 @pytest.fixture
@@ -314,7 +313,7 @@ def test_a_misuse_that_costs_the_transaction_fails_the_group_and_tells_no_one_su
 _SETTINGS = settings(max_examples=10, deadline=None,
                      suppress_health_check=[HealthCheck.function_scoped_fixture])
 _CONTROL = st.sampled_from(["ends", "savepoint"]).flatmap(
-    lambda kind: _dressed("postgresql", dualwrite.database.statements.Effect.ENDS
+    lambda kind: dressed("postgresql", dualwrite.database.statements.Effect.ENDS
                           if kind == "ends" else
                           dualwrite.database.statements.Effect.SAVEPOINT))
 
