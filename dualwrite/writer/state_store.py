@@ -293,8 +293,14 @@ class StateStore:
                         backend_for(conn).statement_wait_options(timeout_s)
                         + self._mysql_lock_sql, (tid,)).one()
             else:
+                # Any other backend (SQLite here): the row made if missing, then read under its
+                # lock where the server has row locks; the branches above do both in one trip.
+                for bound in _wait_bounds(conn, timeout_s):
+                    conn.exec_driver_sql(bound)
                 conn.execute(self._insert_missing(conn, tid))
                 query = sa.select(*self._columns).where(t.c.transactional_id == tid)
+                if backend_for(conn).row_locks:
+                    query = query.with_for_update()
                 found = conn.execute(query).one()
         except sa.exc.SQLAlchemyError as exc:
             self._reraise(conn, exc)
