@@ -43,6 +43,7 @@ from sqlalchemy import Connection, Engine, event
 from sqlalchemy.engine import URL, make_url
 
 from dualwrite.database._pymysql_seam import socket_fileno
+from dualwrite.database.backends import BACKENDS, MariaDB
 from dualwrite.database.schema import STATE_TABLE, TRANSACTION_STATE, VERSION_TABLE
 from dualwrite.deadline import current_deadline
 from dualwrite.errors import (
@@ -109,9 +110,9 @@ _ALEMBIC_LOCK = threading.Lock()
 
 SUPPORTED_URLS = ("sqlite:///path/to/file.db, postgresql://user@host:5432/dbname (psycopg 3) "
                   "or mysql://user@host:3306/dbname (MariaDB, PyMySQL)")
-_SUPPORTED_BACKENDS = frozenset({"sqlite", "postgresql", "mysql", "mariadb"})
+_SUPPORTED_BACKENDS = frozenset(d for backend in BACKENDS for d in backend.dialects)
 #: SQLAlchemy's names of MariaDB (``mariadb://``) and MySQL (``mysql://``, MariaDB served too).
-_MYSQL_DIALECTS = frozenset({"mysql", "mariadb"})
+_MYSQL_DIALECTS = MariaDB.dialects
 DEFAULT_MYSQL_CONNECT_TIMEOUT_S = 10
 #: The isolation level of dualwrite's engines on MariaDB: PostgreSQL's default, which the recipe
 #: is written for. Under InnoDB's own default (REPEATABLE READ) a plain read inside a writer's

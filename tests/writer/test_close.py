@@ -18,14 +18,6 @@ from dualwrite import DualWriter, TransactionStateError
 from dualwrite.writer import Leases, StateStore
 from tests.support.kafka import read_committed, unique
 from tests.support.recipe import rows, write
-from tests.support.tables import add_value_table
-
-
-@pytest.fixture
-def db_url(db_url: str) -> str:
-    """dualwrite's tables and the application table ``app_rows``."""
-    return add_value_table(db_url, "app_rows")
-
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -27,14 +27,6 @@ from dualwrite import DualWriter, FatalError, TransactionStateError
 from dualwrite.writer import PhaseHooks
 from tests.support.kafka import read_committed, unique
 from tests.support.recipe import assert_clean, rows, write
-from tests.support.tables import add_value_table
-
-
-@pytest.fixture
-def db_url(db_url: str) -> str:
-    """dualwrite's tables and the application table ``app_rows``."""
-    return add_value_table(db_url, "app_rows")
-
 
 pytestmark = pytest.mark.timeout(120)
 

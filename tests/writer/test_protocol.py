@@ -43,15 +43,9 @@ from tests.support.recipe import (
     write_produce_first,
     writer_session,
 )
-from tests.support.tables import EVERY_BACKEND, add_value_table
+from tests.support.tables import EVERY_BACKEND
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def db_url(db_url: str) -> str:
-    """dualwrite's tables and the application table ``app_rows``."""
-    return add_value_table(db_url, "app_rows")
 
 
 @pytest.fixture(params=EVERY_BACKEND)

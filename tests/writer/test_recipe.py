@@ -39,15 +39,8 @@ from tests.support.recipe import (
     write_produce_first,
     writer_session,
 )
-from tests.support.tables import add_value_table
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def db_url(db_url: str) -> str:
-    """dualwrite's tables and the application table ``app_rows``."""
-    return add_value_table(db_url, "app_rows")
 
 
 # -- happy path and rollback -----------------------------------------------------------------

@@ -36,14 +36,6 @@ from dualwrite.writer import handle
 from tests.support.kafka import read_committed, unique
 from tests.support.recipe import assert_clean, rows
 from tests.support.statements import dressed
-from tests.support.tables import add_value_table
-
-
-@pytest.fixture
-def db_url(db_url: str) -> str:
-    """dualwrite's tables and the application table ``app_rows``."""
-    return add_value_table(db_url, "app_rows")
-
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -28,4 +28,5 @@ def backend_for(database: Engine | Connection | str) -> Backend:
     try:
         return _BY_DIALECT[name]
     except KeyError:
-        raise FatalError(f"dualwrite supports PostgreSQL and SQLite, not {name!r}") from None
+        supported = ", ".join(type(b).__name__ for b in BACKENDS)
+        raise FatalError(f"dualwrite supports {supported}, not {name!r}") from None
