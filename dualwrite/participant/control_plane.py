@@ -136,12 +136,17 @@ class TransactionDescription:
     start_time_ms: int | None
     partitions: frozenset[TopicPartition]
     coordinator_id: int
+    described_at_ms: int = 0
+    """This machine's clock when the coordinator answered: every figure of one report is taken
+    at one instant, so a maximum over a report agrees with its parts."""
 
     def open_for_ms(self, now_ms: int | None = None) -> int | None:
-        """How long an in-flight transaction has been open (the KIP's open-time metric)."""
+        """How long an in-flight transaction had been open when described (the KIP's
+        open-time metric), or at ``now_ms``."""
         if not self.state.in_flight or self.start_time_ms is None:
             return None
-        now = int(time.time() * 1000) if now_ms is None else now_ms
+        now = (now_ms if now_ms is not None else self.described_at_ms
+               or int(time.time() * 1000))
         return max(0, now - self.start_time_ms)
 
 
@@ -391,7 +396,9 @@ class ControlPlane:
             sent = [(node, self._link.spawn(
                 self._send, dl, DescribeTransactionsRequest(transactional_ids=tids), node))
                 for node, tids in by_node.items()]
-            for node, response in await self._join(sent):
+            answered = await self._join(sent)
+            described_at_ms = int(time.time() * 1000)
+            for node, response in answered:
                 for txn in response.transaction_states:
                     if txn.error_code == _TRANSACTIONAL_ID_NOT_FOUND:
                         continue
@@ -410,6 +417,7 @@ class ControlPlane:
                         partitions=frozenset(
                             TopicPartition(t.topic, p) for t in txn.topics for p in t.partitions),
                         coordinator_id=node,
+                        described_at_ms=described_at_ms,
                     )
             return out
 
