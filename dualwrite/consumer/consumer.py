@@ -78,17 +78,19 @@ Handler = Callable[[Sequence[ConsumedMessage], DualWriteTransaction], None]
 
 
 def _message(msg: KafkaMessage) -> ConsumedMessage:
-    stamp: Any = msg.timestamp()  # (type, milliseconds)
-    kind, ts = stamp[0], stamp[1]
-    raw: list[Any] = list(msg.headers() or [])
-    headers = tuple((str(h[0]), h[1] if isinstance(h[1], bytes) or h[1] is None
-                     else str(h[1]).encode()) for h in raw)
-    key, value = msg.key(), msg.value()
-    return ConsumedMessage(
-        topic=str(msg.topic()), partition=int(msg.partition() or 0), offset=int(msg.offset() or 0),
-        key=key if isinstance(key, bytes) or key is None else str(key).encode(),
-        value=value if isinstance(value, bytes) or value is None else str(value).encode(),
-        headers=headers, timestamp_ms=ts if kind else None)
+    """The handler's copy of ``msg`` (once per input record: the common case, bytes and no
+    headers, takes no conversion)."""
+    kind, ts = msg.timestamp()
+    key, value, raw = msg.key(), msg.value(), msg.headers()
+    if key is not None and type(key) is not bytes:
+        key = str(key).encode()
+    if value is not None and type(value) is not bytes:
+        value = str(value).encode()
+    headers = () if not raw else tuple(
+        (str(h[0]), h[1] if h[1] is None or isinstance(h[1], bytes) else str(h[1]).encode())
+        for h in raw)
+    return ConsumedMessage(msg.topic(), msg.partition(), msg.offset(),  # type: ignore[arg-type]
+                           key, value, headers, ts if kind else None)
 
 
 class ExactlyOnceConsumer:
@@ -351,6 +353,7 @@ class ExactlyOnceConsumer:
                 raise librdkafka_error(exc, f"consumer group {self._group}: consume",
                                        otherwise=RetriableError) from exc
             self._raise_callback_error()
+            owned, next_offsets, pending = self._generations, self._next, self._pending
             for msg in msgs:
                 error = msg.error()
                 if error is not None:
@@ -359,12 +362,11 @@ class ExactlyOnceConsumer:
                                                f"consumer group {self._group}: consume")
                     log.info("consumer group %s: %s", self._group, error)
                     continue
-                message = _message(msg)
-                partition = (message.topic, message.partition)
-                if partition not in self._generations or message.offset < self._next[partition]:
+                partition, offset = (msg.topic(), msg.partition()), msg.offset() or 0
+                if partition not in owned or offset < next_offsets[partition]:
                     continue  # revoked meanwhile, or fetched before a seek back
-                self._next[partition] = message.offset + 1
-                self._pending.append(message)
+                next_offsets[partition] = offset + 1
+                pending.append(_message(msg))
             if self._pending and deadline is None:
                 deadline = time.monotonic() + self._max_batch_s
             if not self._pending:

@@ -3,11 +3,12 @@
 One row per (group, topic, partition) of ``dualwrite_consumer_position``: the next offset the
 last decided transaction consumed up to, and the owner generation. A new owner raises the
 generation (:meth:`PositionStore.take`) and reads the position in one transaction; every decision
-locks the rows of its input partitions (``SELECT … FOR UPDATE``), checks that the generation is
-still its own and writes the new positions, in the application's transaction, whose COMMIT is the
-decision. A zombie (a consumer whose partition was revoked without its knowing) finds a higher
-generation and is refused; a new owner's :meth:`take` waits for a decision holding the lock and
-reads what it decided.
+writes the new positions of its input partitions only where the generation is still its own
+(``UPDATE … WHERE owner_generation = mine``, which waits for the row lock and tests the row as
+committed by whoever held it), in the application's transaction, whose COMMIT is the decision.
+A zombie (a consumer whose partition was revoked without its knowing) finds a higher generation,
+updates nothing and is refused; a new owner's :meth:`take` waits for a decision holding the lock
+and reads what it decided.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ NO_POSITION = -1
 
 _T = CONSUMER_POSITION
 _ATTEMPTS = 3
+
+# A decision's write of one partition's position, only while its generation is the decider's.
+_ADVANCE = (sa.update(_T)
+            .where(_T.c.group_id == sa.bindparam("g"), _T.c.topic == sa.bindparam("t"),
+                   _T.c.partition_id == sa.bindparam("p"),
+                   _T.c.owner_generation == sa.bindparam("gen"))
+            .values(next_offset=sa.bindparam("o"), updated_at=sa.bindparam("now")))
 
 
 def _now() -> dt.datetime:
@@ -97,15 +105,33 @@ class PositionStore:
 
     def decide(self, conn: Connection, positions: Mapping[Partition, int],
                generations: Mapping[Partition, int]) -> None:
-        """In the decision's transaction (``conn``): lock the rows of ``positions``' partitions,
-        refuse (:class:`PartitionFencedError`) unless each generation is still the one in
-        ``generations``, and write the new positions."""
+        """In the decision's transaction (``conn``): write the new positions of ``positions``'
+        partitions where each generation is still the one in ``generations``, else refuse
+        (:class:`PartitionFencedError`).
+
+        One statement per partition, in partition order (the order :meth:`take` locks in), sent
+        as one batch: on psycopg one round trip. The lock, the check and the write are one
+        ``UPDATE``, so a batch that updates fewer rows than it has partitions was fenced.
+        """
         now = _now()
+        # (generations start at 1: a partition missing from ``generations`` updates nothing)
+        rows = [{"g": self._group, "t": p[0], "p": p[1], "gen": generations.get(p, 0),
+                 "o": positions[p], "now": now} for p in sorted(positions)]
+        try:
+            updated = conn.execute(_ADVANCE, rows).rowcount
+        except sa.exc.SQLAlchemyError as exc:
+            raise database_error(exc, self._engine.url, table=CONSUMER_POSITION_TABLE) from exc
+        if updated != len(rows):
+            self._refuse(conn, positions, generations)
+
+    def _refuse(self, conn: Connection, positions: Mapping[Partition, int],
+                generations: Mapping[Partition, int]) -> None:
+        """Raise the :class:`PartitionFencedError` of the first partition not owned any more."""
         for partition in sorted(positions):
             topic, number = partition
             try:
                 stored = conn.execute(sa.select(_T.c.owner_generation, _T.c.owner)
-                                      .where(self._key(topic, number)).with_for_update()).first()
+                                      .where(self._key(topic, number))).first()
             except sa.exc.SQLAlchemyError as exc:
                 raise database_error(exc, self._engine.url, table=CONSUMER_POSITION_TABLE) \
                     from exc
@@ -117,9 +143,6 @@ class PositionStore:
                     f"group {self._group}: {topic}[{number}] is owned by {owner} now, not by "
                     f"this consumer (generation {mine}); its batch is abandoned, rows and "
                     "records rolled back")
-            try:
-                conn.execute(sa.update(_T).where(self._key(topic, number)).values(
-                    next_offset=positions[partition], updated_at=now))
-            except sa.exc.SQLAlchemyError as exc:
-                raise database_error(exc, self._engine.url, table=CONSUMER_POSITION_TABLE) \
-                    from exc
+        raise PartitionFencedError(
+            f"group {self._group}: a partition of {sorted(positions)} changed owner while its "
+            "batch was decided; the batch is abandoned, rows and records rolled back")
