@@ -42,6 +42,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy.engine import URL, make_url
 
+from dualwrite.database import alarms
 from dualwrite.database._pymysql_seam import socket_fileno
 from dualwrite.database.backends import BACKENDS, MariaDB
 from dualwrite.database.schema import STATE_TABLE, TRANSACTION_STATE, VERSION_TABLE
@@ -356,9 +357,7 @@ def bounded_wait(conn: Connection, what: str) -> Iterator[None]:
             with socket.socket(fileno=os.dup(fd)) as dup:
                 dup.shutdown(socket.SHUT_RDWR)
 
-    timer = threading.Timer(wait, abandon)
-    timer.daemon = True
-    timer.start()
+    alarm = alarms.arm(wait, abandon)
     try:
         yield
     except BaseException as exc:
@@ -375,7 +374,7 @@ def bounded_wait(conn: Connection, what: str) -> Iterator[None]:
     finally:
         with guard:
             done = True
-        timer.cancel()
+        alarm.disarm()
 
 
 def _socket_of(conn: Connection) -> Callable[[], int | None] | None:

@@ -35,7 +35,7 @@ from dualwrite.dev._util import (
     write_state,
 )
 
-__all__ = ["DEFAULT_SETTINGS", "LocalPostgres", "find_postgres_bindir"]
+__all__ = ["DEFAULT_SETTINGS", "DURABLE_SETTINGS", "LocalPostgres", "find_postgres_bindir"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,12 @@ DEFAULT_SETTINGS: dict[str, str] = {
     "max_prepared_transactions": "0",
     "max_connections": "100",
     "shared_buffers": "64MB",
+}
+# ``LocalPostgres(durable=True)``: each commit waits for its flush to disk, as in production.
+DURABLE_SETTINGS: dict[str, str] = {
+    "fsync": "on",
+    "synchronous_commit": "on",
+    "full_page_writes": "on",
 }
 
 
@@ -117,14 +123,17 @@ class LocalPostgres(LocalServer):
         startup_timeout: float = 60.0,
         detach: bool = False,
         standby_of: int | None = None,
+        durable: bool = False,
     ) -> None:
         """``standby_of``: the port of a local server (binaries backend) to stream from, as
-        :meth:`start_standby` does."""
+        :meth:`start_standby` does. ``durable``: :data:`DURABLE_SETTINGS` over the defaults
+        (``settings`` still override both), for figures that include each commit's flush."""
         if backend not in ("auto", "binaries", "docker"):
             raise ValueError(f"backend must be 'auto', 'binaries' or 'docker', not {backend!r}")
         self.requested_backend: PgBackend = backend
         self.backend: Literal["binaries", "docker"] | None = None
-        self.settings = {**DEFAULT_SETTINGS, **(settings or {})}
+        self.settings = {**DEFAULT_SETTINGS, **(DURABLE_SETTINGS if durable else {}),
+                         **(settings or {})}
         self.startup_timeout = startup_timeout
         self._standby_of = standby_of
         self._given_data_dir = data_dir

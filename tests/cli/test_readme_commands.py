@@ -249,8 +249,9 @@ SCENARIOS = [
                 "./run.sh bench consumer --messages 300 --batch 50 --rounds 1 "
                 '--db "$DUALWRITE_DATABASE_URL"'),
                ("./run.sh bench service [--quick] [--seconds 5] [--clients 1,8,32,128] "
-                "[--size 16]\n                       [--cases naive,outbox,pool,pool-gc,async-gc]"
-                " [--db URL]",
+                "[--size 16]\n                       "
+                "[--cases naive,outbox,pool,pool-gc,async-gc,pool-run,async-run]\n"
+                "                       [--db URL] [--durable] [--profile]",
                 "./run.sh bench service --quick --seconds 1 --clients 1,8 --size 4 --pause 0.2 "
                 '--db "$DUALWRITE_DATABASE_URL"'),
                ("./run.sh bench spark [--quick] [--records 1000000] [--batches 5] "

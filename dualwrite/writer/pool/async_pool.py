@@ -8,7 +8,7 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar, cast
 
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
@@ -21,13 +21,14 @@ from dualwrite.errors import (
     TransactionStateError,
 )
 from dualwrite.participant.prepared_state import PreparedTxnState
-from dualwrite.writer.pool.pool import DualWriterPool
-from dualwrite.writer.pool.requests import RecordBuffer, Request
+from dualwrite.writer.pool.pool import DualWriterPool, PoolTransaction
+from dualwrite.writer.pool.requests import Call, RecordBuffer, Request
 
 if TYPE_CHECKING:  # importing it at run time needs greenlet, which dualwrite does not
     from sqlalchemy.ext.asyncio import AsyncEngine
 
 _T = TypeVar("_T")
+_P = ParamSpec("_P")
 
 
 def sync_engine_for(engine: AsyncEngine | Engine | str | sa.URL) -> Engine:
@@ -261,6 +262,34 @@ class AsyncDualWriterPool:
             raise req.error
 
 
+    async def run(self, fn: Callable[Concatenate[PoolTransaction, _P], _T], /,
+                  *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        """One request as a sync callable: ``fn(tx, *args, **kwargs)`` runs in a writer's
+        thread (its statements are the sync ``tx.connection``'s, its records ``tx.produce``);
+        returns what it returned once the request committed on both sides. The cheapest form
+        with group commit: the event loop only awaits the outcome. ``fn`` may run twice
+        (:meth:`DualWriterPool.run`: it must have no effect outside ``tx``).
+
+        Cancelled before a writer took it, the request leaves the queue and never runs; after,
+        it runs and its group decides it without waiting for the caller."""
+        await self.start()
+        pool = self.pool
+        ar = _AsyncRequest(asyncio.get_running_loop(),
+                           call=lambda tx: fn(tx, *args, **kwargs))
+        req = ar.req
+        with pool.admitted():
+            pool.hand_over(req, self._executor)
+            try:
+                await ar.wait_turn(pool)
+                await ar.until_done()
+            except BaseException:
+                req.abandon()
+                raise
+        if req.error is not None:
+            raise req.error
+        return cast(_T, req.result)
+
+
 class _RequestWithdrawn(Exception):
     """What the writer's thread is handed as a request's ``body_error`` when the request's
     caller withdrew it (cancelled, or a statement of it cancelled after it reached the
@@ -297,10 +326,10 @@ class _Call:
 class _AsyncRequest:
     """The event loop's side of one request of :meth:`AsyncDualWriterPool.transaction`."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, call: Call | None = None) -> None:
         self.loop = loop
         self.changed = asyncio.Event()
-        self.req = Request(on_change=lambda: _post(loop, self.changed.set))
+        self.req = Request(on_change=lambda: _post(loop, self.changed.set), call=call)
         self.spoiled: str | None = None
         """Why the request can no longer commit: a statement of it was cancelled after it
         reached the database."""

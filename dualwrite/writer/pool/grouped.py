@@ -16,11 +16,12 @@ import sqlalchemy as sa
 from dualwrite import metrics
 from dualwrite.database import database_error
 from dualwrite.errors import DatabaseUnreachableError, DualWriteError, RetriableError
+from dualwrite.participant.prepared_state import PreparedTxnState
 from dualwrite.writer.dual_writer import DualWriteTransaction
 from dualwrite.writer.handle import GuardedConnection
 from dualwrite.writer.pool.admission import Admission
 from dualwrite.writer.pool.policy import CommitPolicy
-from dualwrite.writer.pool.requests import GroupedTransaction, Request
+from dualwrite.writer.pool.requests import Call, GroupedTransaction, Request
 from dualwrite.writer.pool.writers import Slot, breaks_writer
 
 _STOP = object()
@@ -40,6 +41,16 @@ class _Once:
         fn, self._fn = self._fn, None
         if fn is not None:
             fn()
+
+
+class _CallFailed(Exception):
+    """A call run without a savepoint failed: raised out of the group's transaction, which
+    rolls it back on both sides, so that the group's other calls run again."""
+
+    def __init__(self, req: Request, error: BaseException) -> None:
+        super().__init__("a call of the group failed")
+        self.req = req
+        self.error = error
 
 
 class GroupCommit(CommitPolicy):
@@ -83,6 +94,24 @@ class GroupCommit(CommitPolicy):
     def transaction(self) -> Iterator[GroupedTransaction | DualWriteTransaction]:
         with self._admission.admitted(), self._request() as handle:
             yield handle
+
+    def run(self, call: Call) -> Any:
+        with self._admission.admitted():
+            req = Request(call=call)
+            self._requests.put(req)
+            try:
+                if not req.turn.wait(self._acquire_timeout_s) and req.abandon():
+                    raise RetriableError(f"writer pool {self._prefix}: no group took the "
+                                         f"request within {self._acquire_timeout_s:g} s")
+                req.done.wait()
+            except BaseException:
+                # Interrupted (Ctrl-C): out of the queue if no group took it yet; else its
+                # group runs it and decides it without waiting for this thread.
+                req.abandon()
+                raise
+        if req.error is not None:
+            raise req.error
+        return req.result
 
     def hand_over(self, req: Request, executor: ThreadPoolExecutor | None) -> None:
         """Into the queue the writers' threads take their groups from."""
@@ -142,9 +171,19 @@ class GroupCommit(CommitPolicy):
                 collected()
 
     def _run_group(self, slot: Slot, first: Request, collected: Callable[[], None]) -> None:
-        """One group: the writer's transaction runs ``first`` and the requests that wait or
-        arrive meanwhile (up to ``max_group_size``), then ``collected()`` lets another writer
-        collect while this one commits."""
+        """One group, and its second run should a call run without a savepoint fail
+        (:meth:`_run_member`): the others then run again in a new transaction, each inside a
+        savepoint this time, so no call runs more than twice."""
+        rerun = self._transaction(slot, [first], collected, careful=False)
+        if rerun:
+            self._transaction(slot, rerun, collected, careful=True)
+
+    def _transaction(self, slot: Slot, taken: list[Request], collected: Callable[[], None], *,
+                     careful: bool) -> list[Request]:
+        """One transaction of the writer: ``taken`` and, unless ``careful``, the requests that
+        wait or arrive meanwhile (up to ``max_group_size``), then ``collected()`` lets another
+        writer collect while this one commits. Returns the calls to run again if one of them
+        failed where no savepoint could undo it alone (both sides were rolled back)."""
         group: list[Request] = []
         stop = False
         error: BaseException | None = None
@@ -153,11 +192,18 @@ class GroupCommit(CommitPolicy):
         try:
             writer = slot.current_writer()
             with writer.transaction() as tx:
-                group.append(first)
-                self._run_first(tx, first)
-                conn = tx.lock()  # (the lock, if the first request did not take it)
+                if careful:  # calls run before: each in a savepoint now
+                    conn = tx.lock()
+                    for req in taken:
+                        group.append(req)
+                        self._run_member(conn, tx, req, number=len(group), bare=False,
+                                         keep=len(group) <= _KEPT_SAVEPOINTS)
+                else:
+                    group.append(taken[0])
+                    self._run_first(tx, taken[0])
+                    conn = tx.lock()  # (the lock, if the first request did not take it)
                 nxt: Request | None = None
-                while True:
+                while not careful:
                     while len(group) < self._max_group:
                         try:
                             item = self._requests.get_nowait()
@@ -172,20 +218,41 @@ class GroupCommit(CommitPolicy):
                     if nxt is None:
                         break
                     group.append(nxt)
-                    self._run_member(conn, tx, nxt, number=len(group),
+                    # Calls alone so far: a failure can be undone by running them again.
+                    bare = all(r.call is not None for r in group)
+                    self._run_member(conn, tx, nxt, number=len(group), bare=bare,
                                      keep=len(group) <= _KEPT_SAVEPOINTS)
                     nxt = None
                 collected()
+        except _CallFailed as failed:  # both sides rolled back: the others run again
+            error = failed.error
+            group.remove(failed.req)
+            self._end([failed.req], error, None)
+            rerun, group = group, []
+            error = None
         except BaseException as exc:
             error = exc
             if breaks_writer(exc):
                 slot.retire(exc)
+            rerun = []
+        else:
+            rerun = []
         slot.ended = time.monotonic()
         self._usage.returned()
         metrics.observe_group_size(self._prefix, len(group))
-        if first not in group:
-            group.append(first)  # the transaction failed before its turn
+        for req in taken:
+            if req not in group and req not in rerun and not req.done.is_set():
+                group.append(req)  # the transaction failed before its turn
         state = tx.state if tx is not None and error is None else None
+        self._end(group, error, state)
+        if stop:
+            self._requests.put(_STOP)
+        return rerun
+
+    @staticmethod
+    def _end(group: list[Request], error: BaseException | None,
+             state: PreparedTxnState | None) -> None:
+        """Tell each request of a finished transaction its outcome."""
         for req in group:
             failed = error if error is not None else req.own_error
             if req.handle is not None:
@@ -193,22 +260,24 @@ class GroupCommit(CommitPolicy):
             req.error = failed
             req.signal(req.turn)
             req.signal(req.done)
-        if stop:
-            self._requests.put(_STOP)
 
     def _run_first(self, tx: DualWriteTransaction, req: Request) -> None:
         """The group's first request runs on the writer's own handle, as a lone transaction
         would: its records leave at once (while its rows are written, the lock taken late) and,
-        with nothing else in the transaction yet, a failure of its block ends the transaction
-        (both sides rolled back), so it needs no savepoint. Requests join after it, unless it
+        with nothing else in the transaction yet, a failure of it ends the transaction (both
+        sides rolled back), so it needs no savepoint. Requests join after it, unless it
         misused the connection or went on after a failed statement (then the transaction
         fails before anyone joins)."""
         req.handle = tx
-        req.signal(req.turn)
-        while (item := req.work.get()) is not None:
-            item()
-        if req.body_error is not None:
-            raise req.body_error
+        if req.call is not None:
+            req.signal(req.turn)
+            req.result = req.call(tx)
+        else:
+            req.signal(req.turn)
+            while (item := req.work.get()) is not None:
+                item()
+            if req.body_error is not None:
+                raise req.body_error
         held, _ = tx.bound()
         if held is not None and held.misused is not None:
             raise held.misused
@@ -217,38 +286,56 @@ class GroupCommit(CommitPolicy):
             raise failed
 
     def _run_member(self, conn: GuardedConnection, tx: DualWriteTransaction, req: Request, *,
-                    number: int, keep: bool = True) -> None:
-        """Run one request's block (in its own thread) inside a savepoint of its own; produce
-        its records into the group's transaction if it succeeded, roll it back alone if it
-        failed: its exception, a refused statement (the connection's guard), a failed
-        statement it went on after, or a record the client would refuse (checked before any
-        is sent). ``keep``: leave the savepoint unreleased if it succeeded (see below).
+                    number: int, bare: bool, keep: bool = True) -> None:
+        """Run one request inside a savepoint of its own — a block in its caller's thread, a
+        call in this one — and produce its records into the group's transaction if it
+        succeeded, or roll it back alone if it failed: its exception, a refused statement (the
+        connection's guard), a failed statement it went on after, or a record the client would
+        refuse (checked before any is sent). ``keep``: leave the savepoint unreleased if it
+        succeeded (see below).
+
+        ``bare``: no savepoint (a round trip less per request), for a call in a group of calls
+        only: its failure raises :class:`_CallFailed`, which rolls the transaction back on
+        both sides, and the group's other calls run again.
 
         The savepoint is the writer's own statement, not SQLAlchemy's ``begin_nested()``, so
         that nothing the request does to SQLAlchemy's bookkeeping can stop the writer from
         rolling it back. Only a misuse that cost the whole transaction fails the group."""
         savepoint = f"dualwrite_request_{number}"
-        self._own_statement(conn, f"SAVEPOINT {savepoint}")
-        req.handle = GroupedTransaction(conn)
+        if not bare:
+            self._own_statement(conn, f"SAVEPOINT {savepoint}")
+        handle = req.handle = GroupedTransaction(conn)
         conn.lend_savepoint()
         req.signal(req.turn)
         try:
-            while (item := req.work.get()) is not None:
-                item()
+            if req.call is not None:
+                try:
+                    req.result = req.call(handle)
+                except BaseException as exc:
+                    req.body_error = exc
+            else:
+                while (item := req.work.get()) is not None:
+                    item()
         finally:
             misuse = conn.end_savepoint_loan()
         if misuse is not None and conn.whole_transaction_lost:
+            if bare:  # the writer drops the connection; the others run again
+                raise _CallFailed(req, misuse)
             raise misuse
         body_error = req.body_error
         failure: BaseException | None = body_error or misuse
         if failure is None:
             failure = conn.went_on_after_a_failure()
-        records = req.handle.records()
+        records = handle.records()
         if failure is None:
             try:
                 tx.check(records)
             except DualWriteError as refused:
                 failure = refused
+        if failure is not None and (lost := self._group_lost(body_error)) is not None:
+            raise lost
+        if failure is not None and bare:
+            raise _CallFailed(req, failure)
         # A savepoint that succeeded is not released: its work commits with the group (the
         # COMMIT ends every savepoint), and a RELEASE would be one more round trip in series
         # per request. The next request's savepoint nests in it, so rolling that one back
@@ -256,21 +343,27 @@ class GroupCommit(CommitPolicy):
         # again: PostgreSQL caches 64 subtransactions per session.
         if failure is not None:
             self._own_statement(conn, f"ROLLBACK TO SAVEPOINT {savepoint}")
-        if failure is not None or not keep:
+        if not bare and (failure is not None or not keep):
             self._own_statement(conn, f"RELEASE SAVEPOINT {savepoint}")
         if failure is None:
             for topic, value, key, partition, headers in records:
                 tx.produce(topic, value, key, partition=partition, headers=headers)
-            return
-        if failure is not body_error:
-            req.own_error = failure  # the block ended normally: the request fails all the same
-            return
+        elif failure is not body_error or req.call is not None:
+            # The request fails alone (its group goes on): a block that ended normally all
+            # the same, or a call (whose caller is told by the group).
+            req.own_error = failure
+
+    def _group_lost(self, body_error: BaseException | None) -> BaseException | None:
+        """The error that fails the whole group, if a request's own exception is one: its
+        statement lost the database connection, or an interrupt."""
         if isinstance(body_error, sa.exc.DBAPIError):
             typed = database_error(body_error, self._url)
             if isinstance(typed, DatabaseUnreachableError):
-                raise typed from body_error  # the group's connection is gone: all fail
-        if not isinstance(body_error, Exception):
-            raise body_error  # an interrupt: stop the group too
+                typed.__cause__ = body_error
+                return typed
+        if body_error is not None and not isinstance(body_error, Exception):
+            return body_error
+        return None
 
     def _own_statement(self, conn: GuardedConnection, statement: str) -> None:
         """One of the writer's own statements on the lent connection (a request's

@@ -7,10 +7,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from dualwrite.writer.dual_writer import DualWriteTransaction
-from dualwrite.writer.pool.requests import GroupedTransaction, Request
+from dualwrite.writer.pool.requests import Call, GroupedTransaction, Request
 from dualwrite.writer.pool.writers import Slot
 
 
@@ -25,6 +25,11 @@ class CommitPolicy(ABC):
     @abstractmethod
     def transaction(self) -> AbstractContextManager[DualWriteTransaction | GroupedTransaction]:
         """One request of the calling thread, atomic on both sides."""
+
+    @abstractmethod
+    def run(self, call: Call) -> Any:
+        """One request of the calling thread as a callable: ``call(tx)`` in a writer's
+        transaction; what it returned, once committed on both sides."""
 
     @abstractmethod
     def hand_over(self, req: Request, executor: ThreadPoolExecutor | None) -> None:

@@ -7,10 +7,10 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from typing import Any, Literal
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, cast
 
 import sqlalchemy as sa
 from sqlalchemy import Engine
@@ -35,6 +35,12 @@ from dualwrite.writer.pool.writers import Slot
 from dualwrite.writer.state_store import StateStore
 
 log = logging.getLogger("dualwrite.writer.pool")
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+PoolTransaction = DualWriteTransaction | GroupedTransaction
+"""The handle of one pool request: ``connection`` and ``produce``, whichever kind it is."""
 
 
 class DualWriterPool:
@@ -213,6 +219,22 @@ class DualWriterPool:
         """One request, atomic on both sides (class docstring)."""
         with self._policy.transaction() as tx:
             yield tx
+
+    def run(self, fn: Callable[Concatenate[PoolTransaction, _P], _T], /,
+            *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        """One request as a callable: ``fn(tx, *args, **kwargs)`` in a writer's thread, with
+        the calls of :meth:`transaction`'s handle; returns what ``fn`` returned once the
+        request committed on both sides, or raises what it raised (nothing of it committed).
+
+        Cheaper than :meth:`transaction` with group commit: a request costs its own statements
+        and no savepoint, and its thread only waits. The price: ``fn`` may run twice. When a
+        call of a group fails, the group's transaction is rolled back on both sides and its
+        other calls run again, each inside a savepoint then (so a call runs at most twice, and
+        only its last run commits). So ``fn`` must have no effect outside ``tx`` (no other
+        connection, no remote call, no mutation of shared state it cannot repeat), and it runs
+        in another thread (no context variables of the caller). Interrupted (Ctrl-C) after a
+        group took it, the request is decided by its group without the caller."""
+        return cast(_T, self._policy.run(lambda tx: fn(tx, *args, **kwargs)))
 
     @property
     def id_prefix(self) -> str:

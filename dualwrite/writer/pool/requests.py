@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy import Connection
 
@@ -58,10 +59,21 @@ class GroupedTransaction(RecordBuffer):
         return self._connection
 
 
-class Request:
-    """One request waiting for, running in, or waiting on the outcome of a group."""
+Call = Callable[[GroupedTransaction | DualWriteTransaction], Any]
+"""A request of ``pool.run(fn, ...)``: its whole work as one callable, which the writer's
+thread runs (again, should another request of its group fail before the group commits)."""
 
-    def __init__(self, on_change: Callable[[], None] | None = None) -> None:
+
+class Request:
+    """One request waiting for, running in, or waiting on the outcome of a group: a block
+    (``with pool.transaction()``: its statements run in the caller's thread, or reach the
+    writer's through ``work``) or a :data:`Call`."""
+
+    def __init__(self, on_change: Callable[[], None] | None = None, *,
+                 call: Call | None = None) -> None:
+        self.call = call
+        self.result: Any = None
+        """What ``call`` returned (its last run, if it ran again)."""
         self.lock = threading.Lock()
         self.turn = threading.Event()
         self.work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()

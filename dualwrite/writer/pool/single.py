@@ -7,13 +7,14 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Any
 
 from dualwrite import metrics
 from dualwrite.errors import RetriableError
 from dualwrite.writer.dual_writer import DualWriteTransaction
 from dualwrite.writer.pool.admission import Admission
 from dualwrite.writer.pool.policy import CommitPolicy
-from dualwrite.writer.pool.requests import GroupedTransaction, Request
+from dualwrite.writer.pool.requests import Call, GroupedTransaction, Request
 from dualwrite.writer.pool.writers import Slot, breaks_writer
 
 
@@ -47,6 +48,10 @@ class SingleCommit(CommitPolicy):
             slot.ended = time.monotonic()
             self._checkin(slot)
 
+    def run(self, call: Call) -> Any:
+        with self.transaction() as tx:
+            return call(tx)
+
     def hand_over(self, req: Request, executor: ThreadPoolExecutor | None) -> None:
         """Run the request's transaction in a thread of ``executor`` (the async pool's)."""
         assert executor is not None
@@ -66,6 +71,11 @@ class SingleCommit(CommitPolicy):
         tx: DualWriteTransaction | None = None
         try:
             with self.transaction() as tx:
+                if req.call is not None:
+                    req.handle = tx
+                    req.signal(req.turn)
+                    req.result = req.call(tx)
+                    return
                 handle = req.handle = GroupedTransaction(tx.connection)
                 req.signal(req.turn)
                 while (item := req.work.get()) is not None:

@@ -2,7 +2,7 @@
 
     python tests/support/workers/pool_worker.py --db URL --bootstrap HOST:PORT --topic T \
         --prefix P [--size 2] [--threads 16] [--no-group-commit] [--ids-only] [--block-after N] \
-        [--asyncio]
+        [--asyncio] [--run]
 
 Opens a :class:`dualwrite.DualWriterPool` and prints ``IDS <id> ...``. With ``--ids-only`` it
 then waits for a line on stdin, closes the pool and exits. Otherwise ``threads`` threads run
@@ -12,7 +12,9 @@ requests returned, every writer stops right after its group's database COMMIT (t
 before Kafka's commit; ``PhaseHooks.database_committed``) and the worker prints ``AT
 database-committed``: the parent SIGKILLs it with decided groups in flight. With ``--asyncio``
 the requests are ``threads`` tasks on one event loop over an :class:`AsyncDualWriterPool` of an
-application's ``AsyncEngine``.
+application's ``AsyncEngine``. With ``--run`` each request is a ``pool.run(fn, value)`` (``await
+apool.run(...)`` with ``--asyncio``) instead of a ``with pool.transaction()`` block, and every
+5th one raises after writing (its group runs its other calls again).
 """
 
 from __future__ import annotations
@@ -23,10 +25,16 @@ import sys
 import threading
 import time
 
-from sqlalchemy import text
+from sqlalchemy import Connection, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from dualwrite import AsyncDualWriterPool, DualWriterPool, create_engine
+from dualwrite import (
+    AsyncDualWriterPool,
+    DualWriterPool,
+    DualWriteTransaction,
+    GroupedTransaction,
+    create_engine,
+)
 from dualwrite.participant import PreparedTxnState
 from dualwrite.writer import PhaseHooks
 
@@ -48,6 +56,25 @@ class BlockAfter(PhaseHooks):
         time.sleep(600)
 
 
+class Boom(Exception):
+    """A request of ``--run`` that fails on purpose."""
+
+
+def insert(conn: Connection, value: str) -> None:
+    conn.execute(text("INSERT INTO pool_rows (value) VALUES (:v)"), {"v": value})
+
+
+def write(tx: DualWriteTransaction | GroupedTransaction, topic: str, value: str, fail: bool
+          ) -> DualWriteTransaction | GroupedTransaction:
+    """The request of ``--run``: its row and record; returns its handle (its state once
+    committed)."""
+    insert(tx.connection, value)
+    tx.produce(topic, value, value)
+    if fail:
+        raise Boom(value)
+    return tx
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--db", required=True)
@@ -60,6 +87,7 @@ def main() -> int:
     ap.add_argument("--ids-only", action="store_true")
     ap.add_argument("--block-after", type=int, default=0)
     ap.add_argument("--asyncio", action="store_true")
+    ap.add_argument("--run", action="store_true")
     args = ap.parse_args()
     hooks = BlockAfter(args.block_after) if args.block_after else None
     if args.asyncio:
@@ -79,6 +107,15 @@ def main() -> int:
         n = 0
         while True:
             value = f"w{i}-{n}"
+            n += 1
+            if args.run:
+                try:
+                    handle = pool.run(write, args.topic, value, n % 5 == 0)
+                except Boom:
+                    continue
+                with out:
+                    returned(value, handle.state, hooks)
+                continue
             with pool.transaction() as tx:
                 tx.connection.exec_driver_sql("INSERT INTO pool_rows (value) VALUES (?)"
                                               if tx.connection.dialect.name == "sqlite" else
@@ -87,7 +124,6 @@ def main() -> int:
                 tx.produce(args.topic, value, value)
             with out:
                 returned(value, tx.state, hooks)
-            n += 1
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True)
                for i in range(args.threads)]
@@ -117,12 +153,19 @@ async def run_tasks(args: argparse.Namespace, hooks: BlockAfter | None) -> None:
         n = 0
         while True:
             value = f"a{i}-{n}"
+            n += 1
+            if args.run:
+                try:
+                    handle = await pool.run(write, args.topic, value, n % 5 == 0)
+                except Boom:
+                    continue
+                returned(value, handle.state, hooks)
+                continue
             async with pool.transaction() as tx:
                 await tx.connection.execute(
                     text("INSERT INTO pool_rows (value) VALUES (:v)"), {"v": value})
                 tx.produce(args.topic, value, value)
             returned(value, tx.state, hooks)
-            n += 1
 
     await asyncio.gather(*(client(i) for i in range(args.threads)))
 

@@ -255,7 +255,8 @@ def killed() -> Iterator[list[subprocess.Popen[str]]]:
 
 
 @pytest.mark.parametrize("finish, clients", [("recover", "threads"), ("smaller-pool", "threads"),
-                                             ("recover", "asyncio")])
+                                             ("recover", "asyncio"), ("recover", "threads-run"),
+                                             ("recover", "asyncio-run")])
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
 def test_sigkill_with_decided_groups_in_flight_then_recover(
         db_url: str, engine: sa.Engine, bootstrap: str, topic: str,
@@ -265,10 +266,13 @@ def test_sigkill_with_decided_groups_in_flight_then_recover(
     COMMIT; SIGKILL. ``dualwrite recover`` — or the start of a pool of one writer with the
     prefix (its own id by its warm-up, the other as an id nobody runs) — finishes the groups
     (each with several requests): every committed row's record appears once, every returned
-    request is among them; then a pool serves again."""
+    request is among them; then a pool serves again. ``-run``: the requests are ``pool.run``
+    calls (``await apool.run``), every 5th failing, so that groups run their calls again."""
     prefix = unique("pool")
     proc = _worker(db_url, bootstrap, topic, prefix, "--size", "2", "--threads", "16",
-                   "--block-after", "60", *(["--asyncio"] if clients == "asyncio" else []))
+                   "--block-after", "60",
+                   *(["--asyncio"] if clients.startswith("asyncio") else []),
+                   *(["--run"] if clients.endswith("-run") else []))
     killed.append(proc)
     assert _read_ids(proc) == [f"{prefix}-0", f"{prefix}-1"]
     returned: list[tuple[str, str]] = []
@@ -299,6 +303,8 @@ def test_sigkill_with_decided_groups_in_flight_then_recover(
     committed = assert_invariant(engine, bootstrap, topic)
     assert {v for v, _ in returned} <= committed
     assert len(committed) == decided > len(returned)  # the decided, unreturned groups too
+    if clients.endswith("-run"):  # the worker's failing calls (every 5th) left nothing
+        assert [v for v in committed if int(v.split("-")[1]) % 5 == 4] == []
     pool = DualWriterPool(engine, {"bootstrap.servers": bootstrap}, id_prefix=prefix, size=2)
     assert pool.transactional_ids == [f"{prefix}-0", f"{prefix}-1"]
     with pool.transaction() as tx:
