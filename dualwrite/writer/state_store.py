@@ -234,6 +234,8 @@ class StateStore:
             f"txid_current(), pg_backend_pid(), {SERVER_IDENTITY}")
         self._pg_write_sql = (f"UPDATE {quoted} SET prepared_txn_state = %s, updated_at = %s "
                               "WHERE transactional_id = %s")
+        self._pg_generation_sql = (f"SELECT pg_backend_pid(), (SELECT fencing_generation FROM "
+                                   f"{quoted} WHERE transactional_id = %s)")
         backquoted = "`" + table.replace("`", "``") + "`"
         self._mysql_lock_sql = (
             f"INSERT INTO {backquoted} (transactional_id, prepared_txn_state, updated_at) "
@@ -432,6 +434,16 @@ class StateStore:
         session and generation mean nobody can have taken the lease or claimed the id since.
         """
         _check("transactional_id", transactional_id, allow_empty=False)
+        raw = _psycopg_connection(conn)
+        if raw is not None and raw.autocommit:  # a writer connection: no transaction to end
+            try:
+                with (bounded_wait(conn, "the lease check"),
+                      _as_sqlalchemy_errors(conn, raw, self._pg_generation_sql)):
+                    found = raw.execute(self._pg_generation_sql, (transactional_id,)).fetchone()
+            except sa.exc.SQLAlchemyError as exc:
+                self._reraise(conn, exc)
+            assert found is not None
+            return (None if found[1] is None else int(found[1])), int(found[0])
         t = self.table
         generation = (sa.select(t.c.fencing_generation)
                       .where(t.c.transactional_id == transactional_id).scalar_subquery())

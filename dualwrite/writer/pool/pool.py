@@ -55,8 +55,10 @@ class DualWriterPool:
     caller's thread (its context variables, its exceptions), on the group's connection — the
     first request of a group on the writer's own handle, the others inside a savepoint each — one
     request after the other; it returns once the group committed on both sides.
-    At most ``collectors`` writers (default ``size // 4``) take requests at a time while the
-    others commit, so that groups grow with the load.
+    At most ``collectors`` writers (default 1) take requests at a time while the others
+    commit, so that a group holds what arrived while the last one ran: groups grow with the
+    load. Collecting is Python work under the GIL, so a second collector mostly competes with
+    the first for the same core (docs/design.md).
     A request whose block raises is rolled back alone (its savepoint; its records never leave)
     and gets its exception; a failure of the group's prepare or commit reaches each of its
     requests as the same typed error. ``max_group_size`` bounds a group (and the time its first
@@ -115,7 +117,7 @@ class DualWriterPool:
         self._policy: CommitPolicy = (
             GroupCommit(self._admission, self._all, self._usage, url=self._engine.url,
                         max_group_size=max_group_size,
-                        collectors=collectors or max(1, size // 4),
+                        collectors=collectors or 1,
                         acquire_timeout_s=acquire_timeout_s)
             if group_commit else
             SingleCommit(self._admission, self._all, self._usage,
