@@ -1,5 +1,6 @@
 """Group commit: the requests that arrive while the writers are busy share the next transaction
-of a free writer, each in a savepoint of its own (the pool's docstring)."""
+of a free writer, each in a savepoint of its own (the pool's docstring) — except calls
+(``pool.run``) in a group of calls only, which run bare and run again should one of them fail."""
 
 from __future__ import annotations
 
