@@ -212,8 +212,15 @@ class PhaseClock:
     def lap(self, phase: Phase) -> None:
         now = time.perf_counter()
         if _M is not None:
-            _M.phases.labels(self._role, phase).observe(now - self._last)
+            series = _PHASE_SERIES.get((self._role, phase))
+            if series is None:  # labels() takes a lock and builds its key: once per series
+                series = _PHASE_SERIES[(self._role, phase)] = _M.phases.labels(self._role, phase)
+            series.observe(now - self._last)
         self._last = now
+
+
+_PHASE_SERIES: dict[tuple[str, str], Any] = {}
+"""The phase histogram's series by (role, phase); never removed, so safe to keep."""
 
 
 class PoolUsage:

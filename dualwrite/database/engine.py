@@ -242,6 +242,7 @@ def create_engine(url: str | URL, **kw: Any) -> Engine:
         engine = _sa_engine(parsed, connect_args, kw)
         event.listen(engine, "connect", _refuse_mysql)
         event.listen(engine, "do_connect", _mysql_connect_within_deadline)
+        _bound_pre_ping(engine)
         return engine
     if "connect_timeout" not in parsed.query:
         connect_args.setdefault("connect_timeout", DEFAULT_PG_CONNECT_TIMEOUT_S)
@@ -256,6 +257,7 @@ def create_engine(url: str | URL, **kw: Any) -> Engine:
     engine = _sa_engine(parsed, connect_args, kw)
     if libpq:
         event.listen(engine, "do_connect", _connect_within_deadline)
+    _bound_pre_ping(engine)
     return engine
 
 
@@ -336,54 +338,96 @@ def bounded_wait(conn: Connection, what: str) -> Iterator[None]:
     or on SQLite (a local file).
     """
     deadline = current_deadline()
-    fileno = _socket_of(conn)
+    fileno = _socket_of(conn.dialect.driver, conn.connection.dbapi_connection)
     if deadline is None or fileno is None:
         yield
         return
     wait = deadline.wait_s()
-    guard = threading.Lock()
-    fired = threading.Event()
-    done = False
-
-    def abandon() -> None:
-        with guard:
-            if done:
-                return
-            fired.set()
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            fd = fileno()
-            if fd is None:  # closed meanwhile: its wait has ended
-                return
-            with socket.socket(fileno=os.dup(fd)) as dup:
-                dup.shutdown(socket.SHUT_RDWR)
-
-    alarm = alarms.arm(wait, abandon)
+    watch = _SocketWatch(fileno, wait)
     try:
         yield
     except BaseException as exc:
-        if fired.is_set() and not isinstance(exc, DualWriteError):
+        if watch.fired and not isinstance(exc, DualWriteError):
             raise DatabaseUnreachableError(
                 f"the database at {_endpoint(conn.engine.url)} did not answer {what} within "
                 f"{wait:.3g} s (no answer on an open connection: a half-open connection, a "
                 "stuck pooler or a paused server); the connection was abandoned") from exc
-        if fired.is_set() and isinstance(exc, DatabaseUnreachableError):
+        if watch.fired and isinstance(exc, DatabaseUnreachableError):
             raise DatabaseUnreachableError(
                 f"the database at {_endpoint(conn.engine.url)} did not answer {what} within "
                 f"{wait:.3g} s; the connection was abandoned ({exc})") from exc
         raise
     finally:
-        with guard:
-            done = True
-        alarm.disarm()
+        watch.finish()
 
 
-def _socket_of(conn: Connection) -> Callable[[], int | None] | None:
-    """How to find ``conn``'s socket when its wait is abandoned; None for a driver without one
-    that :func:`bounded_wait` can shut down."""
-    raw = conn.connection.dbapi_connection
-    if conn.dialect.driver == "psycopg":
-        return lambda: int(raw.pgconn.socket)  # type: ignore[union-attr]
-    if conn.dialect.driver == "pymysql":
+class _SocketWatch:
+    """Shuts a connection's socket down after ``wait_s`` unless :meth:`finish` came first."""
+
+    def __init__(self, fileno: Callable[[], int | None], wait_s: float) -> None:
+        self._fileno = fileno
+        self._guard = threading.Lock()
+        self._done = False
+        self.fired = False
+        self._alarm = alarms.arm(wait_s, self._abandon)
+
+    def _abandon(self) -> None:
+        with self._guard:
+            if self._done:
+                return
+            self.fired = True
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            fd = self._fileno()
+            if fd is None:  # closed meanwhile: its wait has ended
+                return
+            with socket.socket(fileno=os.dup(fd)) as dup:
+                dup.shutdown(socket.SHUT_RDWR)
+
+    def finish(self) -> None:
+        with self._guard:
+            self._done = True
+        self._alarm.disarm()
+
+
+def _bound_pre_ping(engine: Engine) -> None:
+    """Bound ``pool_pre_ping`` by the current deadline, as :func:`bounded_wait` bounds a
+    statement.
+
+    SQLAlchemy pings a pooled connection before handing it out and waits for the answer
+    without a bound, so a silent peer would hold a checkout, and a deadline's whole call,
+    forever. ``Dialect.do_ping`` is the dialect's documented hook for that ping; this engine's
+    dialect gets one that shuts the socket down at the deadline and then answers "not alive"
+    (whatever the driver raised on the way out: psycopg's own ping raises a ProgrammingError
+    restoring autocommit on the broken connection), so the pool replaces the connection, and a
+    new connection is bounded by its connect timeout."""
+    dialect = engine.dialect
+    ping = dialect.do_ping
+    driver = dialect.driver
+
+    def bounded_ping(dbapi_connection: Any) -> bool:
+        deadline = current_deadline()
+        fileno = _socket_of(driver, dbapi_connection)
+        if deadline is None or fileno is None:
+            return ping(dbapi_connection)
+        watch = _SocketWatch(fileno, deadline.wait_s())
+        try:
+            return ping(dbapi_connection)
+        except Exception:
+            if watch.fired:
+                return False
+            raise
+        finally:
+            watch.finish()
+
+    dialect.do_ping = bounded_ping  # type: ignore[method-assign]
+
+
+def _socket_of(driver: str, raw: Any) -> Callable[[], int | None] | None:
+    """How to find the socket of ``raw``, a connection of ``driver``, when its wait is
+    abandoned; None for a driver without one that :func:`bounded_wait` can shut down."""
+    if driver == "psycopg":
+        return lambda: int(raw.pgconn.socket)
+    if driver == "pymysql":
         return lambda: socket_fileno(raw)
     return None
 

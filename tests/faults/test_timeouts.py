@@ -32,7 +32,8 @@ from dualwrite import (
     FatalError,
     OutcomeUnknownError,
 )
-from dualwrite.deadline import MARGIN_S
+from dualwrite.database import transaction
+from dualwrite.deadline import MARGIN_S, deadline_scope
 from dualwrite.dev import DevClusterError, LocalKafkaCluster, LocalPostgres
 from dualwrite.participant.control_plane import ControlPlane, TxnState
 from dualwrite.participant.identifiers import TopicPartition
@@ -433,3 +434,22 @@ def test_both_gone_under_a_live_writer(writers: Any, pg_proxy: tuple[TcpProxy, s
     _rejoined(kafka, "SIGSTOP")
     writer.close()
     assert _settled(pg_url, bootstrap, topic, [writer.transactional_id])[0] == ["before"]
+
+
+def test_a_pooled_connection_gone_silent(pg_proxy: tuple[TcpProxy, str]) -> None:
+    """The pool's pre-ping of an idle connection whose peer went silent is bounded by the
+    deadline too: the connection is abandoned and replaced (new connections pass here), so the
+    short transaction succeeds within the bound instead of waiting for the ping forever."""
+    proxy, through = pg_proxy
+    engine = dualwrite.create_engine(through)
+    try:
+        with engine.connect() as conn:  # one idle connection left in the pool
+            conn.execute(sa.text("SELECT 1"))
+        proxy.blackhole("both", existing_only=True)
+        started = time.monotonic()
+        with deadline_scope(TIMEOUT_S), transaction(engine) as conn:
+            assert conn.execute(sa.text("SELECT 2")).scalar() == 2
+        assert time.monotonic() - started <= BOUND_S
+    finally:
+        proxy.release()
+        engine.dispose()

@@ -280,7 +280,7 @@ class AsyncDualWriterPool:
         with pool.admitted():
             pool.hand_over(req, self._executor)
             try:
-                await ar.wait_turn(pool)
+                await ar.until_done_or_taken(pool)
                 await ar.until_done()
             except BaseException:
                 req.abandon()
@@ -364,6 +364,18 @@ class _AsyncRequest:
                     f"writer pool {pool.id_prefix}: no writer took the request within "
                     f"{pool.acquire_timeout_s:g} s") from None
         await _until(self.req.turn, self.changed)  # taken meanwhile: its turn comes
+
+    async def until_done_or_taken(self, pool: DualWriterPool) -> None:
+        """Until the request's outcome, or for ``acquire_timeout_s`` if no writer took it by
+        then (RetriableError, the request abandoned): one wake-up of the loop per call."""
+        try:
+            async with asyncio.timeout(pool.acquire_timeout_s):
+                await self.until_done()
+        except TimeoutError:
+            if self.req.abandon():
+                raise RetriableError(
+                    f"writer pool {pool.id_prefix}: no writer took the request within "
+                    f"{pool.acquire_timeout_s:g} s") from None
 
     async def until_done(self) -> None:
         await _until(self.req.done, self.changed)

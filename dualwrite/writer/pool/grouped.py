@@ -101,7 +101,8 @@ class GroupCommit(CommitPolicy):
             req = Request(call=call)
             self._requests.put(req)
             try:
-                if not req.turn.wait(self._acquire_timeout_s) and req.abandon():
+                # One wake-up per request: the outcome, or the timeout for being taken.
+                if not req.done.wait(self._acquire_timeout_s) and req.abandon():
                     raise RetriableError(f"writer pool {self._prefix}: no group took the "
                                          f"request within {self._acquire_timeout_s:g} s")
                 req.done.wait()
@@ -226,11 +227,9 @@ class GroupCommit(CommitPolicy):
                     nxt = None
                 collected()
         except _CallFailed as failed:  # both sides rolled back: the others run again
-            error = failed.error
             group.remove(failed.req)
-            self._end([failed.req], error, None)
+            self._end([failed.req], failed.error, None)
             rerun, group = group, []
-            error = None
         except BaseException as exc:
             error = exc
             if breaks_writer(exc):
@@ -240,7 +239,8 @@ class GroupCommit(CommitPolicy):
             rerun = []
         slot.ended = time.monotonic()
         self._usage.returned()
-        metrics.observe_group_size(self._prefix, len(group))
+        if group:
+            metrics.observe_group_size(self._prefix, len(group))
         for req in taken:
             if req not in group and req not in rerun and not req.done.is_set():
                 group.append(req)  # the transaction failed before its turn
@@ -259,7 +259,7 @@ class GroupCommit(CommitPolicy):
             if req.handle is not None:
                 req.handle.state = state if failed is None else None
             req.error = failed
-            req.signal(req.turn)
+            req.turn.set()  # (a waiter for its turn re-checks it at the done signal)
             req.signal(req.done)
 
     def _run_first(self, tx: DualWriteTransaction, req: Request) -> None:
@@ -271,7 +271,7 @@ class GroupCommit(CommitPolicy):
         fails before anyone joins)."""
         req.handle = tx
         if req.call is not None:
-            req.signal(req.turn)
+            req.turn.set()  # started: its caller waits for the outcome only
             req.result = req.call(tx)
         else:
             req.signal(req.turn)
@@ -307,7 +307,10 @@ class GroupCommit(CommitPolicy):
             self._own_statement(conn, f"SAVEPOINT {savepoint}")
         handle = req.handle = GroupedTransaction(conn)
         conn.lend_savepoint()
-        req.signal(req.turn)
+        if req.call is not None:
+            req.turn.set()  # started: its caller waits for the outcome only
+        else:
+            req.signal(req.turn)
         try:
             if req.call is not None:
                 try:
