@@ -38,7 +38,8 @@ PUBLIC_UNDERSCORED = {"_exit": ("os",)}
 
 
 def _modules() -> list[Path]:
-    return sorted(PACKAGE.rglob("*.py"))
+    """The package's modules, without protoc's generated ones (they use protobuf's internals)."""
+    return sorted(p for p in PACKAGE.rglob("*.py") if not p.name.endswith("_pb2.py"))
 
 
 def _part(path: Path) -> str:
