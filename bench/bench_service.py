@@ -433,11 +433,12 @@ def print_profile(results: dict[tuple[int, str], CaseResult]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--seconds", type=float, help="per case (default 5, 2 with --quick)")
     parser.add_argument("--clients", default="1,8,32,128")
     parser.add_argument("--size", type=int, default=16, help="writers per pool")
     parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--quick", action="store_true", help="2 s per case")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 s per case (an explicit --seconds wins)")
     parser.add_argument("--pause", type=float, default=2.0,
                         help="idle seconds before each case: the broker settles from the last")
     parser.add_argument("--db", help="database URL (default: a throwaway local PostgreSQL)")
@@ -448,7 +449,7 @@ def main() -> int:
                         help="CPU per request by component for naive and the grouped cases "
                              "(a second, profiled run of each; needs yappi)")
     args = parser.parse_args()
-    seconds = 2.0 if args.quick else args.seconds
+    seconds = args.seconds if args.seconds is not None else 2.0 if args.quick else 5.0
     cases = args.cases.split(",")
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
