@@ -8,11 +8,16 @@ partitions with ``key`` = the id as a string and ``value`` = the id left-padded 
 2. ``naive+sql``: what a Spark user writes today for Kafka and a table in one ``foreachBatch``,
    not atomic: the built-in Kafka sink, then Spark's JDBC writer (``df.write.jdbc``, append,
    ``reWriteBatchedInserts=true``) into a table of the same shape (PostgreSQL only);
-3. ``floor``: no sink, only what any Python sink pays: the rows cross to PySpark's Python workers
+3. ``naive+copy``: the same, with a table written the fast way: the built-in Kafka sink, then
+   one ``COPY`` per task into the table (the sink's own COPY code), not atomic (PostgreSQL only);
+4. ``floor``: no sink, only what any Python sink pays: the rows cross to PySpark's Python workers
    through ``mapInArrow`` and become Python bytes (``to_pylist``), as the sink's tasks do;
-4. ``kafka``: ``ExactlyOnceSink`` writing the topic only;
-5. ``kafka+sql``: ``ExactlyOnceSink`` writing the topic and a SQL table (COPY staging on
-   PostgreSQL, executemany on SQLite).
+5. ``kafka``: ``ExactlyOnceSink`` writing the topic only;
+6. ``kafka+sql``: ``ExactlyOnceSink`` writing the topic and a SQL table in its default mode:
+   write-once on PostgreSQL (each task COPYs into the table in a transaction it prepares),
+   staging on SQLite (executemany);
+7. ``kafka+staged``: the same, forced to stage (COPY into a staging table, moved into the table
+   after the commit: each row written twice).
 
 The sink is called as ``sink(df, batch_id)``, exactly what ``foreachBatch`` does with each
 micro-batch, so neither side pays a streaming trigger or checkpoint and the baseline is the same
@@ -33,6 +38,7 @@ Starts a local Kafka and PostgreSQL unless ``DUALWRITE_BOOTSTRAP_SERVERS`` / ``-
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -51,8 +57,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 POM = Path(__file__).resolve().parent / "spark-kafka.pom.xml"
-CASES = ("baseline", "naive+sql", "floor", "kafka", "kafka+sql")
-SINK_CASES = ("kafka", "kafka+sql")
+CASES = ("baseline", "naive+sql", "naive+copy", "floor", "kafka", "kafka+sql", "kafka+staged")
+SINK_CASES = ("kafka", "kafka+sql", "kafka+staged")
+NAIVE_SQL_CASES = ("naive+sql", "naive+copy")  # PostgreSQL only
 
 
 def log(msg: str) -> None:
@@ -129,6 +136,21 @@ def floor_task(batches: Any) -> Any:
     yield pa.RecordBatch.from_pydict({"rows": pa.array([rows], pa.int64())})
 
 
+def copy_task(libpq_url: str, table: str, batches: Any) -> Any:
+    """``naive+copy``'s task: its partition's rows into ``table`` with one COPY, committed."""
+    import psycopg
+    import pyarrow as pa
+
+    from dualwrite.batch.target import ArrowCopy
+
+    with psycopg.connect(libpq_url) as conn:
+        with conn.cursor() as cursor, ArrowCopy(cursor, table, ("id", "value")) as copy:
+            for batch in batches:
+                copy.write(batch)
+        rows = copy.rows
+    yield pa.RecordBatch.from_pydict({"rows": pa.array([rows], pa.int64())})
+
+
 # -- measurement ---------------------------------------------------------------------------------
 
 @dataclass
@@ -182,9 +204,11 @@ class Runner:
 
     def __init__(self, spark: Any, args: argparse.Namespace, bootstrap: str,
                  sinks: dict[str, Any], topics: dict[str, str],
-                 jdbc: tuple[str, str, dict[str, str]] | None = None) -> None:
+                 jdbc: tuple[str, str, dict[str, str]] | None = None,
+                 copy_target: tuple[str, str] | None = None) -> None:
         self.spark, self.args, self.bootstrap = spark, args, bootstrap
         self.sinks, self.topics, self.jdbc = sinks, topics, jdbc
+        self.copy_target = copy_target
         self._seen: dict[str, Any] = {}
         for case, sink in sinks.items():
             sink.on_batch = self._recorder(case)
@@ -211,6 +235,14 @@ class Runner:
              .option("topic", self.topics[case]).save())
             url, table, props = self.jdbc
             df.select("id", "value").write.jdbc(url, table, mode="append", properties=props)
+        elif case == "naive+copy":
+            assert self.copy_target is not None
+            (df.select("key", "value").write.format("kafka")
+             .option("kafka.bootstrap.servers", self.bootstrap)
+             .option("topic", self.topics[case]).save())
+            rows = sum(r.rows for r in df.select("id", "value").mapInArrow(
+                functools.partial(copy_task, *self.copy_target), "rows long").collect())
+            assert rows == count, (rows, count)
         elif case == "floor":
             rows = sum(r.rows for r in df.select("key", "value").mapInArrow(
                 floor_task, "rows long").collect())
@@ -283,6 +315,7 @@ def summarize(results: Results, tiny: Results) -> dict[str, Any]:
     out: dict[str, Any] = {}
     base = overall_rate(results.of("baseline"))
     naive = overall_rate(results.of("naive+sql")) if results.of("naive+sql") else None
+    copy = overall_rate(results.of("naive+copy")) if results.of("naive+copy") else None
     for case in CASES:
         bs = results.of(case)
         if not bs:
@@ -295,6 +328,8 @@ def summarize(results: Results, tiny: Results) -> dict[str, Any]:
             "ratio_to_baseline": round(overall_rate(bs) / base, 3)}
         if naive is not None:
             entry["ratio_to_naive_sql"] = round(overall_rate(bs) / naive, 3)
+        if copy is not None:
+            entry["ratio_to_naive_copy"] = round(overall_rate(bs) / copy, 3)
         if case in SINK_CASES:
             entry.update(phase_stats(bs))
         out[case] = entry
@@ -330,23 +365,24 @@ def print_report(info: dict[str, Any], results: Results, tiny: Results,
           f"{info['warmup']} per case), {info['partitions']} partitions; "
           f"{os.cpu_count()} cores; load average at start {info['load_start']}\n")
     print("per batch (ms; tasks = everything before the driver's verify)")
-    print(f"{'case':<10} {'batch':>5} {'records/s':>10} {'wall':>7} {'tasks':>7} {'verify':>7} "
+    print(f"{'case':<12} {'batch':>5} {'records/s':>10} {'wall':>7} {'tasks':>7} {'verify':>7} "
           f"{'decide':>7} {'commit':>7} {'complete':>8} {'sweep':>6}")
     for b in results.batches:
         t = b.timings
         cols = ("" if t is None else
                 f"{ms(b.wall_s - driver_s(t)):>7} {ms(t.verify_s):>7} {ms(t.decide_s):>7} "
                 f"{ms(t.commit_s):>7} {ms(t.complete_s):>8} {ms(t.sweep_s):>6}")
-        print(f"{b.case:<10} {b.batch_id:>5} {b.rate:>10.0f} {ms(b.wall_s):>7} {cols}")
-    print(f"\n{'case':<10} {'records/s':>10} {'median batch':>13} {'vs baseline':>12} "
-          f"{'vs naive+sql':>13}")
+        print(f"{b.case:<12} {b.batch_id:>5} {b.rate:>10.0f} {ms(b.wall_s):>7} {cols}")
+    print(f"\n{'case':<12} {'records/s':>10} {'median batch':>13} {'vs baseline':>12} "
+          f"{'vs naive+sql':>13} {'vs naive+copy':>14}")
     for case in CASES:
         s = summary.get(case)
         if s:
-            naive = s.get("ratio_to_naive_sql")
-            print(f"{case:<10} {s['overall_records_per_s']:>10} "
+            naive, copy = s.get("ratio_to_naive_sql"), s.get("ratio_to_naive_copy")
+            print(f"{case:<12} {s['overall_records_per_s']:>10} "
                   f"{s['median_batch_records_per_s']:>13} {s['ratio_to_baseline']:>12.3f} "
-                  f"{'' if naive is None else f'{naive:.3f}':>13}")
+                  f"{'' if naive is None else f'{naive:.3f}':>13} "
+                  f"{'' if copy is None else f'{copy:.3f}':>14}")
     print(f"\nfixed per-batch cost, {info['partitions']} partitions (ms, median / p95)")
     print(f"{'case':<16} {'commit_phase':>13} {'decide':>11} {'commit':>11} {'complete':>11} "
           f"{'verify':>11} {'sweep':>11} {'tasks':>11} {'wall':>11}")
@@ -354,7 +390,7 @@ def print_report(info: dict[str, Any], results: Results, tiny: Results,
         return f"{ms(d['median'])} / {ms(d['p95'])}"
 
     for label, res in (("", results), ("tiny ", tiny)):
-        for case in ("kafka", "kafka+sql"):
+        for case in SINK_CASES:
             s = summary.get(label + case)
             if s is None:
                 continue
@@ -410,7 +446,7 @@ def main() -> int:
     if unknown or not cases:
         parser.error(f"unknown cases {sorted(unknown)}")
     if args.db == "sqlite" or (args.db_url or "").startswith("sqlite"):
-        cases = [c for c in cases if c != "naive+sql"]  # Spark's JDBC writer: PostgreSQL here
+        cases = [c for c in cases if c not in NAIVE_SQL_CASES]  # PostgreSQL only
     args.topic_partitions = args.topic_partitions or args.partitions
     batch_size = args.records // args.batches
     warmup = args.warmup_records or batch_size
@@ -442,29 +478,36 @@ def main() -> int:
         kafka_config = {"bootstrap.servers": bootstrap}
         topics = {case: create_topic(bootstrap, f"bench-spark-{run}-{name}",
                                      partitions=args.topic_partitions)
-                  for case, name in (("baseline", "base"), ("naive+sql", "naive"), ("kafka", "dw"),
-                                     ("kafka+sql", "dwsql"), ("tiny", "tiny"),
-                                     ("tiny+sql", "tinysql"))}
-        table, tiny_table = f"bench_spark_{run}", f"bench_spark_tiny_{run}"
-        naive_table = f"bench_spark_naive_{run}"
-        for name in (table, tiny_table, naive_table):
+                  for case, name in (("baseline", "base"), ("naive+sql", "naive"),
+                                     ("naive+copy", "ncopy"), ("kafka", "dw"),
+                                     ("kafka+sql", "dwsql"), ("kafka+staged", "dwstg"),
+                                     ("tiny", "tiny"), ("tiny+sql", "tinysql"),
+                                     ("tiny+staged", "tinystg"))}
+        tables = {case: f"bench_spark_{name}_{run}" for case, name in (
+            ("kafka+sql", "dwsql"), ("kafka+staged", "dwstg"), ("naive+sql", "naive"),
+            ("naive+copy", "ncopy"), ("tiny+sql", "tinysql"), ("tiny+staged", "tinystg"))}
+        for name in tables.values():
             create_table(engine, name, args.value_bytes)
 
-        def sink(name: str, topic: str, target: str | None,
-                 participants: int | None = None) -> ExactlyOnceSink:
+        def sink(name: str, topic: str, target: str | None, participants: int | None = None,
+                 sql_mode: Any = "auto") -> ExactlyOnceSink:
             return ExactlyOnceSink(sink_id=f"bench-{name}-{run}", kafka_config=kafka_config,
                                    topic=topic, database_url=db_url, key_column="key",
                                    value_column="value", target_table=target,
                                    table_columns=["id", "value"] if target else None,
-                                   max_participants=participants)
+                                   max_participants=participants, sql_mode=sql_mode)
 
         # The throughput cases run with the sink's default (one participant per core); the
         # fixed-cost cases keep one participant per partition (--partitions of them).
         sinks = {"kafka": sink("dw", topics["kafka"], None),
-                 "kafka+sql": sink("dwsql", topics["kafka+sql"], table)}
+                 "kafka+sql": sink("dwsql", topics["kafka+sql"], tables["kafka+sql"]),
+                 "kafka+staged": sink("dwstg", topics["kafka+staged"], tables["kafka+staged"],
+                                      sql_mode="staging")}
         tiny_sinks = {"kafka": sink("tiny", topics["tiny"], None, args.partitions),
-                      "kafka+sql": sink("tinysql", topics["tiny+sql"], tiny_table,
-                                        args.partitions)}
+                      "kafka+sql": sink("tinysql", topics["tiny+sql"], tables["tiny+sql"],
+                                        args.partitions),
+                      "kafka+staged": sink("tinystg", topics["tiny+staged"],
+                                           tables["tiny+staged"], args.partitions, "staging")}
         log("starting Spark")
         spark = spark_session(args.master, args.partitions, jars)
         stack.callback(spark.stop)
@@ -478,9 +521,13 @@ def main() -> int:
         jdbc = None
         if "naive+sql" in cases:
             jdbc_url, jdbc_props = jdbc_target(db_url)
-            jdbc = (jdbc_url, naive_table, jdbc_props)
+            jdbc = (jdbc_url, tables["naive+sql"], jdbc_props)
+        copy_target = None
+        if "naive+copy" in cases:
+            libpq = sa.make_url(db_url).set(drivername="postgresql")
+            copy_target = (libpq.render_as_string(hide_password=False), tables["naive+copy"])
         runner = Runner(spark, args, bootstrap, {c: s for c, s in sinks.items() if c in cases},
-                        topics, jdbc)
+                        topics, jdbc, copy_target)
         results = Results()
         expected = {c: 0 for c in cases}
         # Batch 0 is the warm-up (ids after the measured range); batches 1..N are measured.
@@ -498,11 +545,12 @@ def main() -> int:
         tiny = Results()
         tiny_runner = Runner(spark, args, bootstrap,
                              {c: s for c, s in tiny_sinks.items() if c in cases},
-                             {**topics, "kafka": topics["tiny"], "kafka+sql": topics["tiny+sql"]})
+                             {**topics, "kafka": topics["tiny"], "kafka+sql": topics["tiny+sql"],
+                              "kafka+staged": topics["tiny+staged"]})
         tiny_base = 10**12
         for batch_id in range(args.tiny_batches + 1):
             for case in cases:
-                if case == "naive+sql":
+                if case in NAIVE_SQL_CASES:
                     continue
                 b = tiny_runner.write(case, batch_id, tiny_base + batch_id * args.partitions,
                                       args.partitions)
@@ -515,16 +563,16 @@ def main() -> int:
         verified: dict[str, Any] = {}
         ok = True
         checks = [(c, topics[c], expected[c]) for c in cases if c in SINK_CASES]
-        checks += [(f"tiny {c}", topics["tiny" if c == "kafka" else "tiny+sql"],
-                    (args.tiny_batches + 1) * args.partitions)
+        tiny_topic = {"kafka": "tiny", "kafka+sql": "tiny+sql", "kafka+staged": "tiny+staged"}
+        checks += [(f"tiny {c}", topics[tiny_topic[c]], (args.tiny_batches + 1) * args.partitions)
                    for c in cases if c in SINK_CASES]
-        for case in ("baseline", "naive+sql"):
+        for case in ("baseline", *NAIVE_SQL_CASES):
             if case in cases:
                 checks.append((case, topics[case], expected[case]))
         for name, topic, want in checks:
             total, distinct, per_partition = count_committed(bootstrap, topic,
                                                              args.topic_partitions)
-            if name in ("baseline", "naive+sql"):  # at-least-once: duplicates allowed
+            if name in ("baseline", *NAIVE_SQL_CASES):  # at-least-once: duplicates allowed
                 good = distinct == want and total >= want
             else:
                 good = total == want and distinct == want
@@ -534,14 +582,18 @@ def main() -> int:
                               "detail": f"{'OK ' if good else 'BAD'} {total} records, {distinct} "
                                         f"distinct keys, expected {want}; per partition "
                                         f"{per_partition}"}
-        tables = []
-        if "kafka+sql" in cases:
-            tables += [("table", table, expected["kafka+sql"]),
-                       ("tiny table", tiny_table, (args.tiny_batches + 1) * args.partitions)]
-        if "naive+sql" in cases:
-            tables.append(("naive+sql table", naive_table, expected["naive+sql"]))
-        if tables:
-            for name, tbl, want in tables:
+        counted = []
+        for case in ("kafka+sql", "kafka+staged"):
+            if case in cases:
+                tiny_case = case.replace("kafka", "tiny")
+                counted += [(f"{case} table", tables[case], expected[case]),
+                            (f"tiny {case} table", tables[tiny_case],
+                             (args.tiny_batches + 1) * args.partitions)]
+        for case in NAIVE_SQL_CASES:
+            if case in cases:  # at-least-once: a retried task writes its rows again
+                counted.append((f"{case} table", tables[case], expected[case]))
+        if counted:
+            for name, tbl, want in counted:
                 with engine.connect() as conn:
                     rows = conn.execute(sa.text(f"SELECT count(*) FROM {tbl}")).scalar_one()
                 good = rows == want
@@ -561,13 +613,15 @@ def main() -> int:
         for case in CASES:
             s = summary.get(case)
             if s:
-                naive = s.get("ratio_to_naive_sql")
+                naive, copy = s.get("ratio_to_naive_sql"), s.get("ratio_to_naive_copy")
                 parts.append(f"{case} {s['overall_records_per_s']:,}/s"
                              + ("" if case == "baseline" else f" ({s['ratio_to_baseline']:.2f}x")
                              + ("" if case == "baseline" or naive is None
                                 else f", {naive:.2f}x naive+sql")
+                             + ("" if case == "baseline" or copy is None
+                                else f", {copy:.2f}x naive+copy")
                              + ("" if case == "baseline" else ")"))
-        for case in ("kafka", "kafka+sql"):
+        for case in SINK_CASES:
             s = summary.get(f"tiny {case}")
             if s:
                 parts.append(f"commit phase {case} p50 {ms(s['commit_phase_s']['median'])} ms "

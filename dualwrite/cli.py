@@ -455,6 +455,10 @@ def _print_status(report: StatusReport) -> None:
                        f"{(b.state.value if b else 'unknown'):<15} {shown:>10}  {p.state}")
         for d in s.lingering:
             click.echo(f"    lingering: {OpenTransaction.of(d)}")
+        for t in s.prepared:
+            role = "participant" if s.prepared_is_participant(t.gid) else "lingering"
+            click.echo(f"    prepared rows ({role}): {t.gid}, holding its locks for "
+                       f"{t.held_s():.1f}s")
 
 
 @main.command(name="force-terminate")

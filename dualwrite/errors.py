@@ -37,6 +37,7 @@ __all__ = [
     "OutcomeUnknownError",
     "OutcomeUnreadableError",
     "PartitionFencedError",
+    "PreparedRowsLostError",
     "ProducerFencedError",
     "RecordTooLargeError",
     "RecoverableError",
@@ -245,13 +246,21 @@ class BatchHeuristicAbortError(HeuristicOutcomeError):
     """
 
     def __init__(self, sink_id: str, batch_id: int,
-                 causes: Sequence[HeuristicAbortError | OutcomeUnreadableError]) -> None:
+                 causes: Sequence[HeuristicAbortError | OutcomeUnreadableError
+                                  | PreparedRowsLostError]) -> None:
         ids = ", ".join(c.transactional_id for c in causes)
+        if not all(isinstance(c, HeuristicAbortError) for c in causes):
+            what = (f"{len(causes)} participant(s) ({ids}) lost their Kafka records or their "
+                    f"prepared database rows, or their outcome can no longer be read (first "
+                    f"cause: {causes[0].detail}). Check, then re-publish (or re-insert) what "
+                    f"batch {batch_id} of those partitions is missing")
+        else:
+            what = (f"Kafka aborted {len(causes)} participant transaction(s) ({ids}); their "
+                    f"records are lost (first cause: {causes[0].detail}). Re-publish batch "
+                    f"{batch_id} of those partitions from the database")
         super().__init__(
-            f"sink {sink_id!r} batch {batch_id}: the database decided commit but Kafka aborted "
-            f"{len(causes)} participant transaction(s) ({ids}); their records are lost "
-            f"(first cause: {causes[0].detail}). Re-publish batch {batch_id} of those partitions "
-            "from the database, then run `dualwrite recover --acknowledge-heuristic`."
+            f"sink {sink_id!r} batch {batch_id}: the database decided commit but {what}, then "
+            "run `dualwrite recover --acknowledge-heuristic`."
         )
         self.sink_id = sink_id
         self.batch_id = batch_id
@@ -276,6 +285,26 @@ class HeuristicCommitError(HeuristicOutcomeError):
         )
         self.transactional_id = transactional_id
         self.state = state
+        self.detail = detail
+
+
+class PreparedRowsLostError(HeuristicOutcomeError):
+    """A decided batch's prepared database transaction was rolled back outside dualwrite.
+
+    Write-once mode of a batch sink: the task's rows were in a prepared transaction (its
+    ``gid``) that the decision said to commit, and someone ran ``ROLLBACK PREPARED``. Its Kafka
+    records are (or will be) committed; the rows are lost.
+    """
+
+    def __init__(self, transactional_id: str, gid: str, detail: str) -> None:
+        super().__init__(
+            f"transactional id {transactional_id!r}: the decided batch's prepared database "
+            f"transaction {gid!r} was rolled back outside dualwrite ({detail}); its rows are "
+            "lost while its records are committed. Re-insert those rows from the topic, then "
+            "run `dualwrite recover --acknowledge-heuristic` to clear the state."
+        )
+        self.transactional_id = transactional_id
+        self.gid = gid
         self.detail = detail
 
 

@@ -1,8 +1,9 @@
 """The batch role: one decision for many participants (the exactly-once sinks).
 
 ``BatchCoordinator`` decides and completes a batch (``CoordinatorHooks``: its fault-injection
-seam); ``DecisionLog`` and ``StagingTable`` keep its database side; ``naming`` names the
-participants' transactional ids.
+seam); ``DecisionLog`` keeps its decisions; the rows go to the target either through
+``StagingTable`` or, write-once, in the tasks' prepared database transactions
+(``PreparedTransactions``); ``naming`` names the participants' transactional ids.
 """
 
 from dualwrite.batch.coordinator import (
@@ -12,6 +13,7 @@ from dualwrite.batch.coordinator import (
     SinkRecovery,
 )
 from dualwrite.batch.decision_log import DecisionLog, Participant, SinkRecord, StagingTable
+from dualwrite.batch.prepared_writes import PreparedDatabaseTxn, PreparedTransactions
 
 __all__ = [
     "BatchCoordinator",
@@ -19,6 +21,8 @@ __all__ = [
     "CoordinatorHooks",
     "DecisionLog",
     "Participant",
+    "PreparedDatabaseTxn",
+    "PreparedTransactions",
     "SinkRecord",
     "SinkRecovery",
     "StagingTable",

@@ -41,6 +41,7 @@ from dualwrite.batch.decision_log import (
     check_sink_id,
 )
 from dualwrite.batch.naming import pool_pattern, transactional_id
+from dualwrite.batch.prepared_writes import PreparedTransactions, gid_prefix
 from dualwrite.errors import (
     BatchHeuristicAbortError,
     BatchInDoubtError,
@@ -48,6 +49,8 @@ from dualwrite.errors import (
     FatalError,
     HeuristicAbortError,
     OutcomeUnknownError,
+    OutcomeUnreadableError,
+    PreparedRowsLostError,
     RecoverableError,
     RetriableError,
 )
@@ -139,6 +142,7 @@ class BatchCoordinator:
         self._pool = ThreadPoolExecutor(parallelism, thread_name_prefix=f"dualwrite-{sink_id}")
         self._pattern = pool_pattern(sink_id)
         self._hooks = hooks or CoordinatorHooks()
+        self._prepared = PreparedTransactions(engine)
 
     @property
     def control_plane(self) -> ControlPlane:
@@ -180,7 +184,7 @@ class BatchCoordinator:
                 # Abort the others first: one that began earlier on a participant's partition
                 # holds the stable offset below its anchor, where the check of a participant
                 # that is no longer open would wait in vain.
-                aborted = self.sweep(keep={p.transactional_id for p in record.participants})
+                aborted = self.sweep(keep=record.participants)
                 try:
                     committed = self.commit(record.last_batch_id, record.participants)
                 except BatchHeuristicAbortError:
@@ -247,11 +251,16 @@ class BatchCoordinator:
         lost = [tid for tid, state in states.items()
                 if (desc := found.descriptions.get(tid)) is None
                 or not self._completion.names_open_transaction(desc, state, found)]
+        txns = {p.database_txn: p.transactional_id for p in participants
+                if p.database_txn is not None}
+        if txns:
+            prepared = self._prepared.still_prepared(list(txns))
+            lost += [tid for txn, tid in txns.items() if txn.gid not in prepared]
         if lost:
             raise RetriableError(
                 f"sink {self.sink_id!r}: participants {lost} are no longer open as prepared "
-                "(re-initialised by a late task attempt, or timed out); the batch was not "
-                "decided and will be written again")
+                "(re-initialised or rolled back by a late task attempt, or timed out); the "
+                "batch was not decided and will be written again")
 
     def decide(self, batch_id: int, participants: Sequence[Participant], *,
                verify: bool = True) -> bool:
@@ -274,25 +283,31 @@ class BatchCoordinator:
         if not participants:
             return 0
         # The first one alone, so that a crash test can stop the driver between two commits.
-        committed = self._commit_direct(participants[:1])
+        lost: list[PreparedRowsLostError | OutcomeUnreadableError] = []
+        committed = self._commit_direct(participants[:1], lost)
         self._hooks.at("committed-one", batch_id)
-        committed += self._commit_direct(participants[1:])
+        committed += self._commit_direct(participants[1:], lost)
         unsettled = [p for p, done in zip(participants, committed, strict=True) if not done]
-        if not unsettled:
-            return len(participants)
-        # An open loser on a participant's partition holds the stable offset below the anchor
-        # that the check has to read: abort the losers first.
-        self.sweep(keep={p.transactional_id for p in participants})
-        results = list(self._pool.map(self._complete, unsettled))
-        heuristic = [r for r in results if isinstance(r, HeuristicAbortError)]
+        results: list[Outcome | HeuristicAbortError] = []
+        if unsettled:
+            # An open loser on a participant's partition holds the stable offset below the
+            # anchor that the check has to read: abort the losers first.
+            self.sweep(keep=participants)
+            results = list(self._pool.map(self._complete, unsettled))
+        heuristic: list[HeuristicAbortError | OutcomeUnreadableError | PreparedRowsLostError] = [
+            *(r for r in results if isinstance(r, HeuristicAbortError)), *lost]
         if heuristic:
             raise BatchHeuristicAbortError(self.sink_id, batch_id, heuristic)
         return sum(committed) + sum(1 for r in results if r is Outcome.COMMITTED)
 
-    def _commit_direct(self, participants: Sequence[Participant]) -> list[bool]:
+    def _commit_direct(self, participants: Sequence[Participant],
+                       lost: list[PreparedRowsLostError | OutcomeUnreadableError]
+                       ) -> list[bool]:
         """EndTxn(commit) by each prepared producer id and epoch, all sent at once (one
         connection per coordinator, see :meth:`ControlPlane.end_transactions`); for each, False
-        if that did not settle it.
+        if that did not settle it. Their prepared database transactions are committed at the
+        same time, one connection each; one rolled back by someone else (or no longer
+        answerable) goes to ``lost``.
 
         Sending them at once, and again after a failure (here, in :meth:`_complete` and in
         :meth:`_complete_decided`'s retries), is safe against KAFKA-17754 (a delayed EndTxn
@@ -304,11 +319,23 @@ class BatchCoordinator:
         """
         if not participants:
             return []
+        rows = [self._pool.submit(self._prepared.commit, p.transactional_id, p.database_txn)
+                for p in participants if p.database_txn is not None]
         ends = [(p.transactional_id, p.state.producer_id, p.state.epoch) for p in participants]
         try:
             results = self._cp.end_transactions(ends, commit=True)
         except DualWriteError as exc:
             results = [exc] * len(participants)
+        failed: list[BaseException] = []
+        for future in rows:  # all of them, so that a retry never overlaps one still running
+            try:
+                future.result()
+            except (PreparedRowsLostError, OutcomeUnreadableError) as exc:
+                lost.append(exc)
+            except DualWriteError as exc:
+                failed.append(exc)
+        if failed:
+            raise failed[0]
         for p, error in zip(participants, results, strict=True):
             if error is not None:
                 # Fenced or invalid state: not open under this epoch any more. Unknown outcome:
@@ -338,8 +365,7 @@ class BatchCoordinator:
         with self.log.locked(self.sink_id, timeout_s=self._timeout_s) as (_, record):
             if record is not None and record.invalid is not None:
                 self._check_readable(record)
-            keep = {p.transactional_id for p in record.participants} \
-                if record is not None and record.in_doubt else set()
+            keep = record.participants if record is not None and record.in_doubt else ()
             aborted = self.sweep(keep=keep)
         if self.staging is not None and record is not None:
             # A completed batch's winners were applied; what is left of it and older batches is
@@ -351,12 +377,20 @@ class BatchCoordinator:
                          self.sink_id, purged)
         return aborted
 
-    def sweep(self, keep: Sequence[str] | set[str]) -> list[str]:
-        """Abort every open transaction of the sink's id pool except ``keep``."""
+    def sweep(self, keep: Sequence[Participant]) -> list[str]:
+        """Abort every open transaction of the sink's id pool, and roll back every prepared
+        database transaction of the sink, except those of the participants in ``keep``.
+
+        Returns the transactional ids and gids it ended.
+        """
+        keep_tids = {p.transactional_id for p in keep}
+        keep_gids = {p.database_txn.gid for p in keep if p.database_txn is not None}
         listed = self._cp.list_transactions(states=_OPEN_STATES, prefix=self.sink_id)
         lingering = [t.transactional_id for t in listed
                      if self._pattern.fullmatch(t.transactional_id)
-                     and t.transactional_id not in keep]
+                     and t.transactional_id not in keep_tids]
+        prepared = [t.gid for t in self._prepared.list(gid_prefix(self.sink_id))
+                    if t.gid not in keep_gids]
         empty = PreparedTxnState.empty()
 
         def abort(tid: str) -> str | None:
@@ -366,7 +400,15 @@ class BatchCoordinator:
                 return tid
             return None
 
-        return [tid for tid in self._pool.map(abort, lingering) if tid is not None]
+        def roll_back(gid: str) -> str | None:
+            if self._prepared.rollback(gid):
+                log.info("sink=%s rolled back lingering prepared database transaction gid=%s",
+                         self.sink_id, gid)
+                return gid
+            return None
+
+        ended = [*self._pool.map(abort, lingering), *self._pool.map(roll_back, prepared)]
+        return [x for x in ended if x is not None]
 
     def _decide_or_ask(self, batch_id: int, participants: Sequence[Participant],
                        verify: Callable[[], None]) -> bool:
@@ -409,8 +451,8 @@ class BatchCoordinator:
                            and record.invalid is None
                            and {p.transactional_id for p in record.participants} == tids)
                 if not decided and (record is None or record.last_batch_id < batch_id):
-                    keep = ({p.transactional_id for p in record.participants}
-                            if record is not None and record.in_doubt else set())
+                    keep = (record.participants
+                            if record is not None and record.in_doubt else ())
                     try:
                         self.sweep(keep=keep)  # not decided: nothing of this batch may stay open
                     except DualWriteError as exc:
@@ -462,8 +504,8 @@ class BatchCoordinator:
         t3 = self._complete_decided(batch_id, participants)
         t4 = time.perf_counter()
         self._hooks.at("completed", batch_id)
-        keep = {p.transactional_id for p in participants}
-        timings.aborted = self._quietly("abort losing attempts", lambda: self.sweep(keep=keep),
+        timings.aborted = self._quietly("abort losing attempts",
+                                        lambda: self.sweep(keep=participants),
                                         list[str]())
         t5 = time.perf_counter()
         timings.decide_s, timings.commit_s = t2 - t0 - timings.verify_s, t3 - t2

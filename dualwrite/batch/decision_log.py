@@ -1,30 +1,33 @@
 """The database side of a batch sink: the decision log and the staging table.
 
 A batch sink (the Spark ``foreachBatch`` sink) writes each batch to Kafka through several
-participant transactions, one per non-empty partition, and to SQL tables through a staging table.
-The driver then records its decision in one database transaction, whose size does not depend on
-the batch's rows:
+participant transactions, one per non-empty partition, and to SQL tables through a staging table
+(or, write-once, through the tasks' prepared database transactions: see
+:mod:`dualwrite.batch.prepared_writes`). The driver then records its decision in one database
+transaction, whose size does not depend on the batch's rows:
 
 - ``dualwrite_batch_sink``: the sink's last decided batch id, whether it is completed, and which
-  staged rows (the winning attempts') the batch publishes (migration 0002, ``pending_apply`` 0005);
+  staged rows (the winning attempts') the batch publishes, or which prepared database
+  transactions hold its rows (migration 0002, ``pending_apply`` 0005);
 - ``dualwrite_batch_participant``: the prepared state of each participant of that batch.
 
 That commit is the decision: a restart (or ``dualwrite recover``) commits the recorded participants
 and aborts every other open transaction of the sink. A batch id at or below the last decided one
-was decided before and is skipped when Spark replays it. After the participants are committed,
-one more transaction (:meth:`DecisionLog.mark_completed`) moves the winners' staged rows into the
-target, deletes the batch's staged rows and marks the batch completed, all or nothing: the rows
-become visible to the table's readers at that commit, as the records do at their EndTxn.
+was decided before and is skipped when Spark replays it. Staging: after the participants are
+committed, one more transaction (:meth:`DecisionLog.mark_completed`) moves the winners' staged
+rows into the target, deletes the batch's staged rows and marks the batch completed, all or
+nothing: the rows become visible to the table's readers at that commit, as the records do at
+their EndTxn.
 """
 
 from __future__ import annotations
 
-import io
+import dataclasses
 import json
 import logging
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -33,6 +36,8 @@ import pyarrow as pa
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
+from dualwrite.batch.prepared_writes import PreparedDatabaseTxn
+from dualwrite.batch.target import ArrowCopy, target_columns
 from dualwrite.database import (
     SINK_LOCKS,
     SessionLocks,
@@ -70,14 +75,6 @@ _SINK_ID = re.compile(r"[A-Za-z0-9._-]{1,200}")
 _STAGING_COLUMNS = ("dw_sink_id", "dw_batch_id", "dw_attempt")
 
 
-def _csv_safe(kind: pa.DataType) -> bool:
-    """Whether pyarrow's CSV writer renders ``kind`` as PostgreSQL's COPY reads it back."""
-    return bool(pa.types.is_integer(kind) or pa.types.is_floating(kind)
-                or pa.types.is_boolean(kind) or pa.types.is_string(kind)
-                or pa.types.is_large_string(kind) or pa.types.is_decimal(kind)
-                or pa.types.is_date(kind) or pa.types.is_null(kind))
-
-
 def check_sink_id(sink_id: str) -> str:
     """Sink ids become transactional-id prefixes: letters, digits, ``.``, ``_``, ``-`` only."""
     if not isinstance(sink_id, str) or not _SINK_ID.fullmatch(sink_id):
@@ -96,6 +93,8 @@ class Participant:
     records: int
     attempt_key: str = ""
     """Tags the attempt's staged rows; only the winning attempt's rows are published."""
+    database_txn: PreparedDatabaseTxn | None = None
+    """Write-once mode: the task's prepared database transaction holding its rows."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +123,17 @@ def _missing_table(exc: sa.exc.DBAPIError) -> bool:
     text = str(orig).lower()
     return (getattr(orig, "sqlstate", None) in ("42P01", "42703") or "no such table" in text
             or ("no such column" in text and "pending_apply" in text))
+
+
+def _with_database_txns(participants: list[Participant], pending: str) -> list[Participant]:
+    """``participants`` with the prepared database transactions a write-once decision names."""
+    spec = json.loads(pending)
+    if "prepared" not in spec:
+        return participants
+    txns = {str(tid): PreparedDatabaseTxn.parse(str(text))
+            for tid, text in spec["prepared"].items()}
+    return [dataclasses.replace(p, database_txn=txns[p.transactional_id])
+            if p.transactional_id in txns else p for p in participants]
 
 
 class DecisionLog:
@@ -240,6 +250,14 @@ class DecisionLog:
                 continue
             by_sink.setdefault(p.sink_id, []).append(Participant(
                 p.partition_id, p.transactional_id, state, p.records))
+        for s in sinks:
+            if s.pending_apply and s.sink_id in by_sink and s.sink_id not in invalid:
+                try:
+                    by_sink[s.sink_id] = _with_database_txns(by_sink[s.sink_id], s.pending_apply)
+                except (InvalidPreparedStateError, ValueError, KeyError) as exc:
+                    log.error("sink=%s batch=%d unreadable prepared database transactions: %s",
+                              s.sink_id, s.last_batch_id, exc)
+                    invalid[s.sink_id] = f"prepared database transactions: {exc}"
         return [SinkRecord(s.sink_id, s.last_batch_id, s.completed, as_utc(s.decided_at),
                            as_utc(s.completed_at) if s.completed_at else None,
                            () if s.sink_id in invalid else tuple(by_sink.get(s.sink_id, ())),
@@ -346,7 +364,11 @@ class DecisionLog:
                  "prepared_txn_state": str(p.state), "records": p.records}
                 for p in participants])
         keys = [p.attempt_key for p in participants if p.attempt_key]
-        pending = staging.pending(keys) if staging is not None and keys else None
+        prepared = {p.transactional_id: str(p.database_txn) for p in participants
+                    if p.database_txn is not None}
+        pending = (staging.pending(keys) if staging is not None and keys else
+                   json.dumps({"prepared": prepared}, separators=(",", ":")) if prepared else
+                   None)
         values = {"last_batch_id": batch_id, "completed": not participants,
                   "decided_at": now, "completed_at": now if not participants else None,
                   "pending_apply": pending}
@@ -415,7 +437,8 @@ class DecisionLog:
         if row is None:
             return 0
         moved = 0
-        if row.pending_apply:
+        # Write-once ("prepared" in it): the participants' rows were committed with them.
+        if row.pending_apply and "staging" in json.loads(row.pending_apply):
             moved = StagingTable.apply(conn, sink_id, batch_id, row.pending_apply)
             log.info("sink=%s batch=%d applied %d staged rows", sink_id, batch_id, moved)
         conn.execute(sa.update(_SINKS).where(*where).values(
@@ -440,22 +463,12 @@ class StagingTable:
     def __init__(self, engine: Engine, target: str, columns: Sequence[str] | None = None) -> None:
         self.engine = engine
         self.target = target
-        try:
-            target_table = sa.Table(target, sa.MetaData(), autoload_with=engine)
-        except sa.exc.NoSuchTableError as exc:
-            raise FatalError(f"the target table {target!r} does not exist in "
-                             f"{engine.url.render_as_string(hide_password=True)}; create it "
-                             "first") from exc
-        names = list(columns) if columns is not None else [c.name for c in target_table.columns]
-        unknown = [c for c in names if c not in target_table.columns]
-        if unknown or not names:
-            raise FatalError(f"columns {unknown or names} are not columns of {target!r}")
+        target_table, names = target_columns(engine, target, columns)
         clash = [c for c in names if c in _STAGING_COLUMNS]
         if clash:
             raise FatalError(f"target columns {clash} clash with the staging tags")
-        self.columns: tuple[str, ...] = tuple(names)
+        self.columns: tuple[str, ...] = names
         self.name = f"{target}_dw_staging"
-        self._target = target_table
         meta = sa.MetaData()
         self.table = sa.Table(
             self.name, meta,
@@ -490,22 +503,13 @@ class StagingTable:
 
     def write(self, sink_id: str, batch_id: int, attempt_key: str,
               rows: Iterable[Sequence[Any]]) -> int:
-        """Stage ``rows`` (tuples in :attr:`columns` order) for one task attempt; returns count."""
-        if backend_for(self.engine).copy_from_client:
-            return self._copy(sink_id, batch_id, attempt_key, rows)
-        tags = (sink_id, batch_id, attempt_key)
-        with self._transaction() as conn:
-            return self._insert_many(conn, [(*row, *tags) for row in rows])
-
-    def _copy(self, sink_id: str, batch_id: int, attempt_key: str,
-              rows: Iterable[Sequence[Any]]) -> int:
-        tags = (sink_id, batch_id, attempt_key)
-        count = 0
-        with self._copy_into(csv=False) as copy:
-            for row in rows:
-                copy.write_row((*row, *tags))
-                count += 1
-        return count
+        """Stage ``rows`` (tuples in :attr:`columns` order) for one task attempt, as a task's
+        :meth:`writer` does; returns the count."""
+        columns = list(zip(*rows, strict=True)) or [() for _ in self.columns]
+        batch = pa.RecordBatch.from_arrays([pa.array(list(c)) for c in columns],
+                                           names=list(self.columns))
+        with self.writer(sink_id, batch_id, attempt_key) as stage:
+            return stage(batch)
 
     @contextmanager
     def writer(self, sink_id: str, batch_id: int, attempt_key: str
@@ -530,54 +534,15 @@ class StagingTable:
                                                     zip(*columns, strict=True)])
             yield insert
             return
-        import pyarrow.csv as pa_csv
-
-        options = pa_csv.WriteOptions(include_header=False)
-        names = [*self.columns, *_STAGING_COLUMNS]
-        with ExitStack() as stack:
-            copies: list[tuple[Any, bool]] = []
-
-            def stage(batch: pa.RecordBatch) -> int:
-                n = int(batch.num_rows)
-                if n == 0:
-                    return 0
-                table = pa.table(
-                    [batch.column(c) for c in self.columns]
-                    + [pa.repeat(sink_id, n), pa.repeat(batch_id, n), pa.repeat(attempt_key, n)],
-                    names=names)
-                if not copies:  # the first rows choose the COPY's format
-                    csv = all(_csv_safe(f.type) for f in table.schema)
-                    copies.append((stack.enter_context(self._copy_into(csv=csv)), csv))
-                copy, csv = copies[0]
-                if csv:
-                    out = io.BytesIO()
-                    pa_csv.write_csv(table, out, options)
-                    copy.write(out.getbuffer())
-                else:
-                    columns = [table.column(c).to_pylist() for c in names]
-                    for row in zip(*columns, strict=True):
-                        copy.write_row(row)
-                return n
-            yield stage
-
-    @contextmanager
-    def _copy_into(self, *, csv: bool) -> Iterator[Any]:
-        """One ``COPY <staging> FROM STDIN`` (text rows, or CSV) on a connection of its own,
-        committed when the block ends."""
-        from psycopg import sql
-
-        statement = sql.SQL("COPY {} ({}) FROM STDIN{}").format(
-            sql.Identifier(self.name),
-            sql.SQL(", ").join(map(sql.Identifier, [*self.columns, *_STAGING_COLUMNS])),
-            sql.SQL(" (FORMAT csv)" if csv else ""))
         try:
             raw = self.engine.raw_connection()
         except sa.exc.SQLAlchemyError as exc:
             raise database_error(exc, self.engine.url) from exc
         try:
-            conn: Any = raw.driver_connection
-            with conn.cursor() as cur, cur.copy(statement) as copy:
-                yield copy
+            with (raw.driver_connection.cursor() as cur,  # type: ignore[union-attr]
+                  ArrowCopy(cur, self.name, self.columns, list(zip(_STAGING_COLUMNS, tags,
+                                                                   strict=True))) as copy):
+                yield copy.write
             raw.commit()
         except BaseException:
             raw.rollback()

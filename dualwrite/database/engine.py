@@ -565,6 +565,9 @@ _MYSQL_CANCELED = frozenset({1969, 1317})
 _MYSQL_MISSING_SCHEMA = frozenset({1146, 1054})
 
 
+_DRIVER_MODULES = frozenset({"psycopg", "pymysql", "sqlite3"})
+
+
 def _sqlstate(orig: BaseException | None) -> str | None:
     state = getattr(orig, "sqlstate", None)
     return state if isinstance(state, str) else None
@@ -605,7 +608,11 @@ def _connection_lost(exc: BaseException, orig: BaseException | None) -> bool:
         return errno in _MYSQL_UNREACHABLE or (errno == 0
                                                and isinstance(exc, sa.exc.InterfaceError))
     # psycopg reports a failed connect, a closed connection and a dropped socket without a
-    # SQLSTATE; SQLite's errors never mean a lost server.
+    # SQLSTATE (wrapped by SQLAlchemy, or raw from a driver connection); SQLite's errors never
+    # mean a lost server.
+    if orig is exc:
+        return type(orig).__name__ in ("OperationalError", "InterfaceError") \
+            and not isinstance(orig, sqlite3.Error)
     return (isinstance(exc, (sa.exc.OperationalError, sa.exc.InterfaceError))
             and orig is not None and not isinstance(orig, sqlite3.Error))
 
@@ -639,7 +646,10 @@ def database_error(exc: BaseException, url: URL, *, table: str | None = None) ->
     """
     if isinstance(exc, DualWriteError):
         return exc
-    orig = exc.orig if isinstance(exc, sa.exc.DBAPIError) else None
+    # A driver's own exception (from a raw connection, e.g. a task's COPY) is read as the
+    # DBAPIError it would have been wrapped in.
+    orig = exc.orig if isinstance(exc, sa.exc.DBAPIError) else (
+        exc if type(exc).__module__.split(".", 1)[0] in _DRIVER_MODULES else None)
     where = mask_url(url)
     detail = _driver_detail(url, exc)
     state = _sqlstate(orig)

@@ -50,7 +50,7 @@ DEFAULT_SETTINGS: dict[str, str] = {
     "fsync": "off",
     "synchronous_commit": "off",
     "full_page_writes": "off",
-    "max_prepared_transactions": "0",
+    "max_prepared_transactions": "32",
     "max_connections": "100",
     "shared_buffers": "64MB",
 }

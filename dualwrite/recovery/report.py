@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from dualwrite.batch.prepared_writes import SinkPrepared
 from dualwrite.participant.control_plane import TransactionDescription
 from dualwrite.participant.outcome import Outcome
 from dualwrite.participant.prepared_state import PreparedTxnState
@@ -181,6 +182,8 @@ class SinkParticipantStatus:
     state: PreparedTxnState
     records: int
     broker: TransactionDescription | None
+    database_gid: str | None = None
+    """Write-once mode: the gid of the participant's prepared database transaction."""
 
     @property
     def open_as_prepared(self) -> bool:
@@ -203,6 +206,13 @@ class SinkStatus:
     lingering: tuple[TransactionDescription, ...]
     """Open transactions of the sink's id pool that are not participants of an in-doubt batch:
     task attempts of an undecided batch, losers, or leftovers of a crash."""
+    prepared: tuple[SinkPrepared, ...] = ()
+    """The sink's prepared database transactions (write-once mode): an in-doubt batch's
+    participants' rows, or lingering ones as above. Each holds its rows' locks (and holds
+    back vacuum) until it is finished."""
+
+    def prepared_is_participant(self, gid: str) -> bool:
+        return self.in_doubt and any(p.database_gid == gid for p in self.participants)
 
     @property
     def in_doubt(self) -> bool:
@@ -227,11 +237,16 @@ class SinkStatus:
             "completed_at": self.completed_at.isoformat() if self.completed_at else None,
             "participants": [
                 {"partition_id": p.partition_id, "transactional_id": p.transactional_id,
-                 "state": str(p.state), "records": p.records,
+                 "state": str(p.state), "records": p.records, "database_gid": p.database_gid,
                  "open_as_prepared": p.open_as_prepared, "broker": _broker_dict(p.broker)}
                 for p in self.participants],
             "lingering": [dict(transactional_id=d.transactional_id, **(_broker_dict(d) or {}))
                           for d in self.lingering],
+            "prepared_database_transactions": [
+                {"gid": t.gid, "prepared_at": t.prepared_at.isoformat(),
+                 "held_s": round(t.held_s(), 3),
+                 "participant": self.prepared_is_participant(t.gid)}
+                for t in self.prepared],
         }
 
 

@@ -27,6 +27,7 @@ from sqlalchemy import Connection, Engine
 from dualwrite.batch.coordinator import BatchCoordinator
 from dualwrite.batch.decision_log import DecisionLog, SinkRecord, check_sink_id
 from dualwrite.batch.naming import pool_pattern
+from dualwrite.batch.prepared_writes import PreparedTransactions, gid_prefix
 from dualwrite.database import create_engine, transaction
 from dualwrite.deadline import deadline_scope
 from dualwrite.errors import (
@@ -441,13 +442,17 @@ def _status(engine: Engine, kafka_config: Mapping[str, Any], prefix: str | None,
         lingering[r.sink_id] = sorted(
             (d for d in open_now if owner(d.transactional_id) == r.sink_id
              and d.transactional_id not in keep), key=lambda d: d.transactional_id)
+    prepared = PreparedTransactions(engine).list() if records else []
     sinks = tuple(
         reports.SinkStatus(
             r.sink_id, r.last_batch_id, r.completed, r.decided_at, r.completed_at,
-            tuple(reports.SinkParticipantStatus(p.partition_id, p.transactional_id, p.state,
-                                                p.records, described.get(p.transactional_id))
+            tuple(reports.SinkParticipantStatus(
+                p.partition_id, p.transactional_id, p.state, p.records,
+                described.get(p.transactional_id),
+                p.database_txn.gid if p.database_txn is not None else None)
                   for p in r.participants),
-            tuple(lingering[r.sink_id]))
+            tuple(lingering[r.sink_id]),
+            tuple(t for t in prepared if t.gid.startswith(gid_prefix(r.sink_id))))
         for r in records)
     hanging_sorted = tuple(sorted(hanging, key=lambda d: d.transactional_id))
     return reports.StatusReport(joined, hanging_sorted, sinks)

@@ -6,13 +6,16 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
+from sqlalchemy import Engine
 
 from dualwrite.batch.coordinator import BatchCoordinator, BatchTimings, SinkRecovery
 from dualwrite.batch.decision_log import Participant, StagingTable, check_sink_id
+from dualwrite.batch.prepared_writes import PreparedDatabaseTxn, PreparedTransactions
+from dualwrite.batch.target import target_columns
 from dualwrite.database import create_engine, mask_url, upgrade_database
 from dualwrite.errors import ConfigurationError, DualWriteError, RetriableError
 from dualwrite.participant.control_plane import ControlPlane
@@ -23,20 +26,29 @@ from dualwrite.spark.faults import DriverFaults
 log = logging.getLogger(__name__)
 
 DEFAULT_DATABASE_URL = "sqlite:///dualwrite.db"
+SqlMode = Literal["auto", "write-once", "staging"]
 
 
 class ExactlyOnceSink:
     """A ``foreachBatch`` function that writes each micro-batch to Kafka (and SQL) exactly once.
 
     Each partition of the batch is produced in its own Kafka transaction by the task that holds
-    it and prepared; the driver records the decision in one short database transaction, commits
-    every participant, then moves the batch's staged SQL rows into the target in one more. A
-    batch id that was decided before is skipped, so replays after a restart write nothing twice.
+    it and prepared (with its SQL rows: see ``sql_mode``); the driver records the decision in
+    one short database transaction and commits every participant. A batch id that was decided
+    before is skipped, so replays after a restart write nothing twice.
 
     Kafka record: ``key_column`` and ``value_column`` (string or binary); without a value column
     the value is the row as JSON. SQL (optional): ``target_table`` receives ``table_columns``
     (default: every column of the table) from the batch's rows. ``database_url`` holds the
     decision log, and the target table; the default is an embedded SQLite file, for local mode.
+
+    ``sql_mode``: ``"write-once"`` writes each task's rows straight into the target in a
+    database transaction the task prepares (``PREPARE TRANSACTION``) and the driver commits with
+    its Kafka transaction; ``"staging"`` stages them and moves them into the target after the
+    participants' commit (each row written twice); ``"auto"`` (default) takes write-once where
+    the database allows prepared transactions (PostgreSQL with ``max_prepared_transactions``
+    at least the tasks in flight), staging otherwise (SQLite, MariaDB). See spark/README.md for
+    what readers of the table see in each mode.
 
     ``max_participants`` caps the Kafka transactions per batch: the batch is coalesced (no
     shuffle) to that many tasks. Each participant costs a producer initialisation and a commit,
@@ -48,7 +60,7 @@ class ExactlyOnceSink:
                  value_column: str | None = None, target_table: str | None = None,
                  table_columns: Sequence[str] | None = None, timeout_s: float = 30.0,
                  batch_attempts: int = 3, migrate: bool = True,
-                 max_participants: int | None = None) -> None:
+                 max_participants: int | None = None, sql_mode: SqlMode = "auto") -> None:
         if "transactional.id" in kafka_config:
             raise ConfigurationError("ExactlyOnceSink assigns transactional ids itself (a pool "
                                      "per sink); remove 'transactional.id' from kafka_config")
@@ -66,6 +78,11 @@ class ExactlyOnceSink:
         if max_participants is not None and max_participants < 1:
             raise ConfigurationError("max_participants must be at least 1")
         self._max_participants = max_participants
+        if sql_mode not in ("auto", "write-once", "staging"):
+            raise ConfigurationError(f"sql_mode must be 'auto', 'write-once' or 'staging', not "
+                                     f"{sql_mode!r}")
+        self.sql_mode = sql_mode
+        self._write_once = False
         self._coordinator: BatchCoordinator | None = None
         self._control_plane: ControlPlane | None = None
         """The sink's own client, lent to its coordinator; :meth:`close` closes it."""
@@ -94,9 +111,14 @@ class ExactlyOnceSink:
                 upgrade_database(engine)
             staging = None
             if self.target_table is not None:
-                staging = StagingTable(engine, self.target_table, self._table_columns)
-                staging.create()
-                self._table_columns = staging.columns
+                self._write_once = self._choose_write_once(engine)
+                if self._write_once:
+                    _, self._table_columns = target_columns(engine, self.target_table,
+                                                            self._table_columns)
+                else:
+                    staging = StagingTable(engine, self.target_table, self._table_columns)
+                    staging.create()
+                    self._table_columns = staging.columns
             cp = self._control_plane = ControlPlane(self._kafka_config,
                                                     timeout_s=self._timeout_s)
             if "transaction.timeout.ms" not in self._kafka_config:
@@ -112,6 +134,31 @@ class ExactlyOnceSink:
             self.recovery = coordinator.recover()
             self._coordinator = coordinator
             return coordinator
+
+    @property
+    def mode(self) -> str | None:
+        """The SQL mode the sink runs in (``write-once`` or ``staging``), once it started; None
+        for a Kafka-only sink or before its first batch."""
+        if self.target_table is None or self._coordinator is None:
+            return None
+        return "write-once" if self._write_once else "staging"
+
+    def _choose_write_once(self, engine: Engine) -> bool:
+        """The SQL mode: write-once where the database prepares transactions (or as forced)."""
+        available = PreparedTransactions(engine).available()
+        if self.sql_mode == "write-once" and not available:
+            raise ConfigurationError(
+                f"sink {self.sink_id!r}: sql_mode='write-once' needs prepared transactions "
+                f"(PostgreSQL with max_prepared_transactions > 0); {mask_url(engine.url)} has "
+                "none. Raise max_prepared_transactions (a server restart), or use "
+                "sql_mode='staging'")
+        write_once = available and self.sql_mode != "staging"
+        why = ("prepared transactions" if write_once else
+               "forced" if self.sql_mode == "staging" else "the database cannot prepare "
+               "transactions")
+        log.info("sink=%s writes table %s in %s mode (%s)", self.sink_id, self.target_table,
+                 "write-once" if write_once else "staging", why)
+        return write_once
 
     def _prepare(self, df: DataFrame) -> DataFrame:
         key: Column = F.col(self.key_column) if self.key_column else F.lit(None).cast("binary")
@@ -143,7 +190,7 @@ class ExactlyOnceSink:
         self._control_plane.check_topics_writable([self.topic])
         plan = TaskPlan(self.sink_id, batch_id, self.topic, self._kafka_config,
                         self.database_url if self.target_table else None, self.target_table,
-                        self._table_columns or (), self._timeout_s)
+                        self._table_columns or (), self._timeout_s, self._write_once)
         prepared = self._prepare(df)
         cap = self._max_participants or df.sparkSession.sparkContext.defaultParallelism
         prepared = prepared.coalesce(cap)  # no-op when the batch has fewer partitions
@@ -152,7 +199,9 @@ class ExactlyOnceSink:
                                        RESULT_SCHEMA).collect()
             participants = [Participant(r.partition_id, r.transactional_id,
                                         PreparedTxnState.parse(r.state), r.records,
-                                        r.attempt_key) for r in rows]
+                                        r.attempt_key,
+                                        PreparedDatabaseTxn.parse(r.database_txn)
+                                        if r.database_txn else None) for r in rows]
             self._faults.at("prepared", batch_id)
             try:
                 # RetriableError only while the batch is not decided; after the decision, a

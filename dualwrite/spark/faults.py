@@ -15,6 +15,8 @@ before the decision). The executor side is :func:`task_point`.
   (as a broker restart would), the first ``times`` times (default 1) in this process.
 - ``fail:<partition>:<attempt>:<batch>``: that task attempt raises after preparing its transaction
   (task point ``prepared``).
+- ``kill:<partition>:<attempt>:<batch>``: that task attempt's Python worker SIGKILLs itself
+  after preparing (its Kafka transaction and, write-once, its database transaction).
 - ``slow:<partition>:<attempt>:<batch>:<seconds>[:<marker file>]``: that task attempt touches the
   marker file, if given, and sleeps before producing (task point ``producing``: a straggler for
   speculative execution, or a task to kill its executor under).
@@ -25,6 +27,7 @@ Unset in production; reading it costs one dict lookup per point.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -65,6 +68,8 @@ def task_point(point: str, partition_id: int, attempt: int, batch_id: int) -> No
     """An executor's points: ``producing`` (the transaction just began) and ``prepared``."""
     where = [str(partition_id), str(attempt), str(batch_id)]
     for rule in _rules():
+        if point == "prepared" and rule[0] == "kill" and rule[1:4] == where:
+            os.kill(os.getpid(), signal.SIGKILL)
         if point == "prepared" and rule[0] == "fail" and rule[1:4] == where:
             raise RuntimeError(f"injected failure of partition {partition_id} attempt {attempt} "
                                f"batch {batch_id} after prepare")

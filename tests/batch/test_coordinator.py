@@ -19,6 +19,7 @@ import dualwrite
 from dualwrite import Outcome, RetriableError, TwoPhaseProducer
 from dualwrite.batch.coordinator import BatchCoordinator
 from dualwrite.batch.decision_log import DecisionLog, StagingTable
+from dualwrite.batch.target import ArrowCopy
 from dualwrite.errors import BatchHeuristicAbortError
 from dualwrite.participant import ControlPlane, TxnState
 from tests.support.batch import Hooks, encoded, open_in_pool, prepare
@@ -259,13 +260,13 @@ def test_staging_publishes_only_the_winning_attempts(engine: sa.Engine, kconf: d
     sa.Table("items", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True),
              sa.Column("name", sa.String(50))).create(engine)
     copies: list[str] = []
-    real_copy = StagingTable._copy
+    real_copy = ArrowCopy.__init__
 
-    def spy(self: StagingTable, sink_id: str, batch_id: int, attempt_key: str, rows: Any) -> int:
-        copies.append(attempt_key)
-        return real_copy(self, sink_id, batch_id, attempt_key, rows)
+    def spy(self: ArrowCopy, cursor: Any, table: str, columns: Any, constants: Any = ()) -> None:
+        copies.append(dict(constants)["dw_attempt"])
+        real_copy(self, cursor, table, columns, constants)
 
-    monkeypatch.setattr(StagingTable, "_copy", spy)
+    monkeypatch.setattr(ArrowCopy, "__init__", spy)
     staging = StagingTable(engine, "items")
     staging.create()
     other_sink = unique("sink-other")

@@ -252,14 +252,15 @@ SCENARIOS = [
                 "[--size 16]\n                       "
                 "[--cases naive,outbox,pool,pool-gc,async-gc,pool-run,async-run]\n"
                 "                       [--db URL] [--durable] [--profile]",
-                "./run.sh bench service --quick --seconds 1 --clients 1,8 --size 4 --pause 0.2 "
+                "./run.sh bench service --quick --seconds 0.5 --clients 1,8 --size 4 --pause 0.2 "
                 '--db "$DUALWRITE_DATABASE_URL"'),
                ("./run.sh bench spark [--quick] [--records 1000000] [--batches 5] "
                 "[--partitions 8]\n                     [--value-bytes 200] [--db postgres|sqlite]"
-                " [--db-url URL]\n                     [--tiny-batches 20] "
-                "[--cases baseline,naive+sql,floor,kafka,kafka+sql]\n                     [--json]",
-                './run.sh bench spark --quick --records 20000 --batches 2 --tiny-batches 2 '
-                '--db-url "$DUALWRITE_DATABASE_URL"')),
+                " [--db-url URL]\n                     [--tiny-batches 20]\n                     "
+                "[--cases baseline,naive+sql,naive+copy,floor,kafka,kafka+sql,kafka+staged]\n"
+                "                     [--json]",
+                './run.sh bench spark --quick --records 4000 --batches 2 --tiny-batches 1 '
+                '--partitions 2 --db-url "$DUALWRITE_DATABASE_URL"')),
         expect=((r"recover\(\) over 5 in-doubt transactional ids", 1),
                 (r"^ +8 async-gc ", 1), (r"^memory per pooled writer", 1),
                 (r"^SUMMARY: .*verified OK", 1),
@@ -379,15 +380,15 @@ def test_ci_runs_the_readme_test_command() -> None:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A scratch folder that looks like the repository to the commands; its own DUALWRITE_HOME
-    (with the resolved Kafka classpath copied, so `dev up` runs no Maven)."""
+    (with the resolved Kafka classpath and Spark's Kafka connector copied: no Maven runs)."""
     work = tmp_path_factory.mktemp("readme")
     for entry in REPO_ROOT.iterdir():
         if entry.name not in {".venv", ".git", ".dualwrite"} and not entry.name.endswith(".db"):
             (work / entry.name).symlink_to(entry)
     (work / ".venv").symlink_to(Path(sys.prefix))
-    classpath = dualwrite_home() / "classpath"
-    if classpath.is_dir():
-        shutil.copytree(classpath, work / ".dualwrite" / "classpath")
+    for resolved in ("classpath", "spark-kafka-jars"):
+        if (dualwrite_home() / resolved).is_dir():
+            shutil.copytree(dualwrite_home() / resolved, work / ".dualwrite" / resolved)
     yield work
     subprocess.run([str(Path(sys.prefix) / "bin" / "dualwrite"), "dev", "down"], cwd=work,
                    env=_base_env(work), capture_output=True, timeout=120, check=False)

@@ -20,11 +20,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import dualwrite
 from dualwrite.batch.decision_log import DecisionLog
+from tests.support.db import pg_ctl, private_postgres
+from tests.support.fixtures.spark import new_pipeline
 from tests.support.spark import (
     FILES,
     Pipeline,
@@ -40,8 +43,12 @@ pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
 # -- the happy path and replays --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "mariadb"], indirect=True)
-def test_every_batch_is_written_once_to_kafka_and_sql(pipeline: Pipeline) -> None:
+@pytest.mark.parametrize("backend, sql_mode", [
+    ("sqlite", "auto"), ("mariadb", "auto"),
+    ("postgresql", "staging"),  # write-once is PostgreSQL's default: every other test runs it
+], indirect=["backend"])
+def test_every_batch_is_written_once_to_kafka_and_sql(pipeline: Pipeline, sql_mode: str) -> None:
+    pipeline.sql_mode = sql_mode
     result = pipeline.run()
     assert batches(result.stdout, "committed") == list(range(FILES))
     pipeline.assert_exactly_once()
@@ -89,6 +96,26 @@ def test_driver_killed_then_restarted(pipeline: Pipeline, point: str) -> None:
     pipeline.assert_exactly_once()
 
 
+def test_database_restarted_while_a_decided_batch_is_prepared(
+        kafka: Any, new_topic: Any, tmp_path: Path) -> None:
+    """Write-once: the driver SIGKILLed after deciding batch 2, then PostgreSQL crashes and
+    restarts (``pg_ctl stop -m immediate``, then start) before the query does. The batch's prepared
+    transactions survive the crash; the restart commits them and skips Spark's replay."""
+    # synchronous_commit on: the decision must not be lost with the crash (with it off, the
+    # batch would come back undecided, its prepared transactions rolled back and rewritten).
+    with private_postgres(synchronous_commit="on") as pg:
+        pipeline = new_pipeline(kafka, new_topic, pg.url, tmp_path)
+        pipeline.run_until_killed("decided", 2)
+        assert len(pipeline.prepared_transactions()) == pipeline.partitions
+        assert pg.data_dir is not None
+        pg_ctl(pg, "stop", "-m", "immediate", "-w")
+        pg_ctl(pg, "start", "-w", "-l", str(pg.data_dir / "postgres.log"))
+        assert len(pipeline.prepared_transactions()) == pipeline.partitions
+        result = pipeline.run()
+        assert "completed_batch=2" in result.stdout and batches(result.stdout, "skipped") == [2]
+        pipeline.assert_exactly_once()
+
+
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 @pytest.mark.parametrize("point", ["committed-one"])
 def test_driver_killed_on_sqlite(pipeline: Pipeline, point: str) -> None:
@@ -101,12 +128,18 @@ def test_driver_killed_on_sqlite(pipeline: Pipeline, point: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
-def test_task_failing_after_prepare_is_retried_and_its_transaction_aborted(
+def test_tasks_failing_or_killed_after_prepare_are_retried_and_their_transactions_ended(
         pipeline: Pipeline) -> None:
-    # Attempt 0 of partition 1 prepares its transaction and then fails; attempt 1 wins.
-    result = pipeline.run(faults="fail:1:0:1;fail:2:0:3")
+    """Attempt 0 of partition 1 prepares its transactions (Kafka, and the database's in
+    write-once mode) and its Python worker is SIGKILLed; attempt 0 of partition 2 prepares and
+    raises. The retries win; what the dead attempts prepared is rolled back and aborted."""
+    result = pipeline.run(faults="kill:1:0:1;fail:2:0:3")
     assert "injected failure" in result.stderr
     assert re.search(r"sink=\S+ aborted lingering transactional_id=\S+-p1-a0", result.stderr)
+    # Write-once: attempt 0's prepared rows hold the retry's COPY on the primary key until the
+    # retry rolls them back (else it fails at its lock timeout, four times, and the query too);
+    # the driver's sweep finds nothing of them left.
+    assert "rolled back lingering prepared database transaction" not in result.stderr
     pipeline.assert_exactly_once()
 
 

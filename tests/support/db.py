@@ -14,6 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 
 import dualwrite
+from dualwrite.batch.prepared_writes import PreparedTransactions
 from dualwrite.database import normalize_url
 from dualwrite.dev import LocalPostgres
 from dualwrite.dev.postgres_cluster import find_postgres_bindir, postgres_server_account
@@ -32,9 +33,24 @@ def fresh_schema(base_url: str, prefix: str, *, quiet_drop: bool = False) -> Ite
     try:
         yield url.render_as_string(hide_password=False)
     finally:
-        with (contextlib.suppress(Exception) if quiet_drop else contextlib.nullcontext()), \
-                admin.begin() as conn:
-            conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
+        with (contextlib.suppress(Exception) if quiet_drop else contextlib.nullcontext()):
+            # A write-once Spark test that failed can leave prepared transactions whose locks
+            # would hold the drop forever: those locking this schema's tables are the test's.
+            prepared = PreparedTransactions(admin)
+            with admin.connect() as conn:
+                leftovers = conn.exec_driver_sql(
+                    # A prepared transaction's locks keep its virtual id and lose their pid.
+                    "SELECT DISTINCT p.gid FROM pg_prepared_xacts p "
+                    "JOIN pg_locks x ON x.locktype = 'transactionid' AND x.pid IS NULL "
+                    "AND x.transactionid = p.transaction "
+                    "JOIN pg_locks l ON l.virtualtransaction = x.virtualtransaction "
+                    "AND l.pid IS NULL AND l.locktype = 'relation' "
+                    "JOIN pg_class c ON c.oid = l.relation "
+                    "WHERE c.relnamespace = %(s)s::regnamespace", {"s": schema}).scalars().all()
+            for gid in leftovers:
+                prepared.rollback(gid)
+            with admin.begin() as conn:
+                conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
         admin.dispose()
 
 

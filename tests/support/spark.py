@@ -28,6 +28,7 @@ import sqlalchemy as sa
 
 import dualwrite
 from dualwrite.batch.decision_log import DecisionLog
+from dualwrite.batch.prepared_writes import PreparedTransactions, gid_prefix
 from dualwrite.participant.control_plane import ControlPlane, TxnState
 from tests.support.kafka import read_committed
 from tests.support.workers import SPARK_WORKER
@@ -118,10 +119,21 @@ class Pipeline:
     source: Path
     checkpoint: Path
     kafka_only: bool = False
+    sql_mode: str = "auto"
     partitions: int = 4
     files: int = FILES
     events_per_file: int = EVENTS_PER_FILE
     outputs: list[str] = field(default_factory=list)
+
+    @property
+    def expected_mode(self) -> str | None:
+        """The SQL mode the sink must choose: write-once on the test PostgreSQL (it allows
+        prepared transactions), staging elsewhere, or as forced."""
+        if self.kafka_only:
+            return None
+        if self.sql_mode != "auto":
+            return self.sql_mode
+        return "write-once" if self.db_url.startswith("postgresql") else "staging"
 
     @property
     def expected(self) -> list[int]:
@@ -134,6 +146,8 @@ class Pipeline:
                "--partitions", str(self.partitions)]
         if self.kafka_only:
             cmd.append("--kafka-only")
+        else:
+            cmd += ["--sql-mode", self.sql_mode]
         return cmd + extra
 
     def start(self, faults: str, extra: list[str]) -> subprocess.Popen[str]:
@@ -155,6 +169,7 @@ class Pipeline:
         if expect_ok:
             assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{err[-6000:]}"
             assert "DONE" in out
+            assert f"MODE {self.expected_mode}" in out
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def run_until_killed(self, point: str, batch_id: int, *extra: str,
@@ -203,9 +218,20 @@ class Pipeline:
         engine = dualwrite.create_engine(self.db_url)
         try:
             with engine.connect() as conn:
+                if not sa.inspect(conn).has_table("events_dw_staging"):
+                    return 0  # write-once mode stages nothing
                 return int(conn.execute(sa.text(
                     "SELECT count(*) FROM events_dw_staging WHERE dw_sink_id = :s"),
                     {"s": self.sink_id}).scalar_one())
+        finally:
+            engine.dispose()
+
+    def prepared_transactions(self) -> list[str]:
+        """The sink's prepared database transactions left (write-once mode)."""
+        engine = dualwrite.create_engine(self.db_url)
+        try:
+            return [t.gid for t in
+                    PreparedTransactions(engine).list(gid_prefix(self.sink_id))]
         finally:
             engine.dispose()
 
@@ -227,6 +253,7 @@ class Pipeline:
             assert sorted(rows) == sorted(kafka), "read_committed records != target rows"
             assert self.staged_rows() == 0
         assert self.open_transactions() == []
+        assert self.prepared_transactions() == []
         engine = dualwrite.create_engine(self.db_url)
         try:
             record = DecisionLog(engine).read(self.sink_id)

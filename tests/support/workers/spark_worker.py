@@ -37,6 +37,7 @@ def main() -> int:
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--kafka-only", action="store_true")
+    parser.add_argument("--sql-mode", default="auto")
     parser.add_argument("--master", default="local[2,4]")
     parser.add_argument("--txn-timeout-ms", type=int)
     parser.add_argument("--conf", action="append", default=[])
@@ -84,7 +85,7 @@ def main() -> int:
         target_table=None if args.kafka_only else "events",
         table_columns=None if args.kafka_only else ["event_id", "payload"],
         # One participant per partition, so that --partitions changes the participants.
-        max_participants=args.partitions)
+        max_participants=args.partitions, sql_mode=args.sql_mode)
 
     def report(batch_id: int, timings: object, records: int) -> None:
         print(f"BATCH {batch_id} {'skipped' if timings is None else 'committed'} {records} "
@@ -117,6 +118,7 @@ def main() -> int:
                  .trigger(availableNow=True).start())
         query.awaitTermination()
     print(f"RECOVERY {sink.recovery}", flush=True)
+    print(f"MODE {sink.mode}", flush=True)
     sink.close()
     spark.stop()
     print("DONE", flush=True)
