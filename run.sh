@@ -47,10 +47,9 @@ install_python() {
     python3 -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # setuptools warns on every editable install of a flat layout (a folder named like the
-    # package may shadow it: here it is the package); that one warning only. --no-compile:
-    # modules are byte-compiled when first imported, not all of pyspark's at install.
+    # package may shadow it: here it is the package); that one warning only.
     PYTHONWARNINGS="ignore:Editable installation" \
-        "$VENV/bin/python" -m pip install -q --no-compile -c constraints.txt -e ".[dev,spark,service,metrics,asyncio,mariadb]"
+        "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev,spark,service,metrics,asyncio,mariadb]"
     touch "$stamp"
 }
 
