@@ -44,6 +44,20 @@ class DevClusterError(RuntimeError):
     """A local development server could not be started, found or stopped."""
 
 
+def find_java(needed_by: str) -> str:
+    """The ``java`` of ``JAVA_HOME``, else of ``PATH``."""
+    java_home = os.environ.get("JAVA_HOME")
+    if java_home and (Path(java_home) / "bin" / "java").is_file():
+        return str(Path(java_home) / "bin" / "java")
+    java = shutil.which("java")
+    if java is None:
+        raise DevClusterError(
+            "java not found: install OpenJDK 17 (e.g. `apt-get install openjdk-17-jre-headless`) "
+            f"or set JAVA_HOME; {needed_by} need Java 17 or newer"
+        )
+    return java
+
+
 def dualwrite_home() -> Path:
     """The folder for caches and state: ``$DUALWRITE_HOME`` or ``./.dualwrite`` (git-ignored)."""
     env = os.environ.get("DUALWRITE_HOME")

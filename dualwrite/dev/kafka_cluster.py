@@ -28,6 +28,7 @@ from dualwrite.dev._util import (
     DevClusterError,
     LocalServer,
     choose_backend,
+    find_java,
     free_ports,
     parent_death_signal,
     pid_alive,
@@ -158,19 +159,6 @@ log4j.appender.out.layout.ConversionPattern=[%d] %p %m (%c)%n
 log4j.logger.state.change.logger=WARN
 log4j.logger.kafka.request.logger=WARN
 """
-
-
-def _find_java() -> str:
-    java_home = os.environ.get("JAVA_HOME")
-    if java_home and (Path(java_home) / "bin" / "java").is_file():
-        return str(Path(java_home) / "bin" / "java")
-    java = shutil.which("java")
-    if java is None:
-        raise DevClusterError(
-            "java not found: install OpenJDK 17 (e.g. `apt-get install openjdk-17-jre-headless`) "
-            "or set JAVA_HOME; Kafka 4.x brokers need Java 17 or newer"
-        )
-    return java
 
 
 def docker_env_name(prop: str) -> str:
@@ -781,7 +769,7 @@ class LocalKafkaCluster(LocalServer):
     # jar backend
 
     def _start_jars(self) -> None:
-        self._java = _find_java()
+        self._java = find_java("Kafka 4.x brokers")
         self._classpath = os.pathsep.join(str(j) for j in kafka_classpath(self.kafka_version))
         if self.data_dir is None:
             self.data_dir = Path(tempfile.mkdtemp(prefix="dualwrite-kafka-"))
@@ -869,7 +857,7 @@ class LocalKafkaCluster(LocalServer):
 
     def _ensure_jvm_args(self, node: BrokerNode) -> list[str]:
         if self._java is None:
-            self._java = _find_java()
+            self._java = find_java("Kafka 4.x brokers")
         if self._classpath is None:
             jars = kafka_classpath(self.kafka_version)
             self._classpath = os.pathsep.join(str(j) for j in jars)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from dualwrite.dev._util import DevClusterError, dualwrite_home
 
-__all__ = ["POM_RESOURCE", "kafka_classpath", "logging_flavour", "major_version"]
+__all__ = ["POM_RESOURCE", "kafka_classpath", "logging_flavour", "major_version",
+           "resolve_classpath"]
 
 log = logging.getLogger(__name__)
 
@@ -42,18 +43,76 @@ def logging_flavour(kafka_version: str) -> str:
     return "log4j2" if major_version(kafka_version) >= 4 else "reload4j"
 
 
-def _pom_text() -> str:
-    return (resources.files("dualwrite.dev") / POM_RESOURCE).read_text(encoding="utf-8")
-
-
-def _find_mvn() -> str:
+def _find_mvn(product: str) -> str:
     mvn = shutil.which("mvn")
     if mvn is None:
         raise DevClusterError(
-            "mvn not found on PATH: install Apache Maven 3.8+ (e.g. `apt-get install maven`) "
-            "to download the Kafka jars, or use the Docker backend where a Docker engine runs"
+            f"mvn not found on PATH: install Apache Maven 3.8+ (e.g. `apt-get install maven`) "
+            f"to download the {product} jars, or use the Docker backend where a Docker engine runs"
         )
     return mvn
+
+
+def resolve_classpath(product: str, version: str, pom_resource: str,
+                      properties: dict[str, str], *, coordinates: str,
+                      maven_repo_local: Path | None = None, refresh: bool = False) -> list[Path]:
+    """The jars ``pom_resource`` (a pom of this package) resolves with ``properties``.
+
+    Maven's local repository (``maven_repo_local``, env ``DUALWRITE_MAVEN_REPO_LOCAL``, or
+    ``~/.m2/repository``) holds the jars; ``$DUALWRITE_HOME/classpath`` caches the resolved
+    classpath, keyed by the pom, the properties and the repository. ``coordinates`` names the
+    artifact in the error Maven's failure raises.
+    """
+    if maven_repo_local is None and os.environ.get("DUALWRITE_MAVEN_REPO_LOCAL"):
+        maven_repo_local = Path(os.environ["DUALWRITE_MAVEN_REPO_LOCAL"])
+    pom = (resources.files("dualwrite.dev") / pom_resource).read_text(encoding="utf-8")
+    key = hashlib.sha256("\0".join(
+        [pom, *properties.values(), str(maven_repo_local or "")]).encode()).hexdigest()[:12]
+    cache_dir = dualwrite_home() / "classpath"
+    cache_file = cache_dir / f"{product.lower()}-{version}-{key}.txt"
+    if not refresh and cache_file.exists():
+        jars = [Path(p) for p in cache_file.read_text().strip().split(os.pathsep) if p]
+        if jars and all(j.is_file() for j in jars):
+            return jars
+        log.info("cached classpath %s points at missing jars; resolving again", cache_file)
+
+    mvn = _find_mvn(product)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="dualwrite-mvn-") as tmp:
+        pom_path = Path(tmp) / "pom.xml"
+        pom_path.write_text(pom, encoding="utf-8")
+        out = Path(tmp) / "classpath.txt"
+        cmd = [mvn, "-B", "-q", "-Dstyle.color=never", "-f", str(pom_path),
+               "dependency:build-classpath", *(f"-D{k}={v}" for k, v in properties.items()),
+               f"-Dmdep.outputFile={out}"]
+        if maven_repo_local is not None:
+            cmd.append(f"-Dmaven.repo.local={maven_repo_local}")
+        log.info("resolving %s %s jars with Maven (the first time can take a minute)", product,
+                 version)
+        started = time.monotonic()
+        try:
+            result = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=MAVEN_TIMEOUT_S, check=False
+            )
+        except subprocess.TimeoutExpired:
+            raise DevClusterError(
+                f"Maven did not resolve {product} {version} within {MAVEN_TIMEOUT_S:.0f} s; "
+                "check that Maven Central (or your mirror in ~/.m2/settings.xml) is reachable"
+            ) from None
+        if result.returncode != 0 or not out.exists():
+            text = re.sub(r"\x1b\[[0-9;]*m", "", result.stdout + result.stderr)
+            output = "\n".join(text.strip().splitlines()[-25:])
+            raise DevClusterError(
+                f"Maven could not resolve {coordinates}. Check that the version exists on Maven "
+                "Central and that Central (or your mirror) is reachable. Maven said:\n"
+                f"{output}"
+            )
+        classpath = out.read_text().strip()
+        log.info("resolved %s %s jars in %.1f s", product, version, time.monotonic() - started)
+    tmp_cache = cache_file.with_suffix(f".{os.getpid()}.tmp")
+    tmp_cache.write_text(classpath)
+    tmp_cache.replace(cache_file)
+    return [Path(p) for p in classpath.split(os.pathsep) if p]
 
 
 def kafka_classpath(
@@ -66,57 +125,8 @@ def kafka_classpath(
 
     ``maven_repo_local`` (or env ``DUALWRITE_MAVEN_REPO_LOCAL``) replaces ``~/.m2/repository``.
     """
-    if maven_repo_local is None and os.environ.get("DUALWRITE_MAVEN_REPO_LOCAL"):
-        maven_repo_local = Path(os.environ["DUALWRITE_MAVEN_REPO_LOCAL"])
-    flavour = logging_flavour(kafka_version)
-    pom = _pom_text()
-    key = hashlib.sha256(
-        "\0".join([pom, kafka_version, flavour, str(maven_repo_local or "")]).encode()
-    ).hexdigest()[:12]
-    cache_dir = dualwrite_home() / "classpath"
-    cache_file = cache_dir / f"kafka-{kafka_version}-{key}.txt"
-    if not refresh and cache_file.exists():
-        jars = [Path(p) for p in cache_file.read_text().strip().split(os.pathsep) if p]
-        if jars and all(j.is_file() for j in jars):
-            return jars
-        log.info("cached classpath %s points at missing jars; resolving again", cache_file)
-
-    mvn = _find_mvn()
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="dualwrite-mvn-") as tmp:
-        pom_path = Path(tmp) / "pom.xml"
-        pom_path.write_text(pom, encoding="utf-8")
-        out = Path(tmp) / "classpath.txt"
-        cmd = [
-            mvn, "-B", "-q", "-Dstyle.color=never", "-f", str(pom_path),
-            "dependency:build-classpath",
-            f"-Dkafka.version={kafka_version}", f"-Dkafka.logging={flavour}",
-            f"-Dmdep.outputFile={out}",
-        ]  # fmt: skip
-        if maven_repo_local is not None:
-            cmd.append(f"-Dmaven.repo.local={maven_repo_local}")
-        log.info("resolving Kafka %s jars with Maven (first time can take a minute)", kafka_version)
-        started = time.monotonic()
-        try:
-            result = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=MAVEN_TIMEOUT_S, check=False
-            )
-        except subprocess.TimeoutExpired:
-            raise DevClusterError(
-                f"Maven did not resolve Kafka {kafka_version} within {MAVEN_TIMEOUT_S:.0f} s; "
-                "check that Maven Central (or your mirror in ~/.m2/settings.xml) is reachable"
-            ) from None
-        if result.returncode != 0 or not out.exists():
-            text = re.sub(r"\x1b\[[0-9;]*m", "", result.stdout + result.stderr)
-            output = "\n".join(text.strip().splitlines()[-25:])
-            raise DevClusterError(
-                f"Maven could not resolve org.apache.kafka:kafka_2.13:{kafka_version}. Check that "
-                "the version exists on Maven Central and that Central (or your mirror) is "
-                f"reachable. Maven said:\n{output}"
-            )
-        classpath = out.read_text().strip()
-        log.info("resolved Kafka %s jars in %.1f s", kafka_version, time.monotonic() - started)
-    tmp_cache = cache_file.with_suffix(f".{os.getpid()}.tmp")
-    tmp_cache.write_text(classpath)
-    tmp_cache.replace(cache_file)
-    return [Path(p) for p in classpath.split(os.pathsep) if p]
+    return resolve_classpath(
+        "Kafka", kafka_version, POM_RESOURCE,
+        {"kafka.version": kafka_version, "kafka.logging": logging_flavour(kafka_version)},
+        coordinates=f"org.apache.kafka:kafka_2.13:{kafka_version}",
+        maven_repo_local=maven_repo_local, refresh=refresh)

@@ -8,11 +8,9 @@ waits until that topic exists.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -21,14 +19,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
-from importlib import resources
 from pathlib import Path
 from typing import IO, Any
 
 from dualwrite.dev._util import (
     DevClusterError,
     LocalServer,
-    dualwrite_home,
+    find_java,
     free_ports,
     parent_death_signal,
     pid_alive,
@@ -38,14 +35,13 @@ from dualwrite.dev._util import (
     terminate_pid,
     write_state,
 )
-from dualwrite.dev.maven import MAVEN_TIMEOUT_S
+from dualwrite.dev.maven import resolve_classpath
 
 __all__ = [
     "DEFAULT_PULSAR_VERSION",
     "LocalPulsar",
     "PulsarNotReadyError",
     "PulsarStartError",
-    "find_java",
     "pulsar_classpath",
 ]
 
@@ -77,63 +73,17 @@ class PulsarNotReadyError(DevClusterError):
     """The broker runs but did not become ready (cluster, namespaces, coordinator topic) in time."""
 
 
-def find_java() -> str:
-    """The ``java`` of ``JAVA_HOME``, else of ``PATH``."""
-    java_home = os.environ.get("JAVA_HOME")
-    if java_home and (Path(java_home) / "bin" / "java").is_file():
-        return str(Path(java_home) / "bin" / "java")
-    java = shutil.which("java")
-    if java is None:
-        raise DevClusterError(
-            "java not found: install OpenJDK 17 or set JAVA_HOME; Pulsar 4.0 needs Java 17")
-    return java
-
-
 def pulsar_classpath(version: str = DEFAULT_PULSAR_VERSION, *, refresh: bool = False) -> list[Path]:
     """The jars of Pulsar ``version``'s broker (and Java client), downloading them if needed.
 
     Resolved like the Kafka jars (``dualwrite.dev.maven``): Maven's local repository holds the
     jars, ``$DUALWRITE_HOME/classpath`` the resolved classpath.
     """
-    pom = (resources.files("dualwrite.dev") / POM_RESOURCE).read_text(encoding="utf-8")
-    repo = os.environ.get("DUALWRITE_MAVEN_REPO_LOCAL", "")
-    key = hashlib.sha256("\0".join([pom, version, repo]).encode()).hexdigest()[:12]
-    cache_file = dualwrite_home() / "classpath" / f"pulsar-{version}-{key}.txt"
-    if not refresh and cache_file.exists():
-        jars = [Path(p) for p in cache_file.read_text().strip().split(os.pathsep) if p]
-        if jars and all(j.is_file() for j in jars):
-            return jars
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise DevClusterError("mvn not found on PATH: install Maven 3.8+ for the Pulsar jars")
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="dualwrite-mvn-") as tmp:
-        pom_path = Path(tmp) / "pom.xml"
-        pom_path.write_text(pom, encoding="utf-8")
-        out = Path(tmp) / "classpath.txt"
-        cmd = [mvn, "-B", "-q", "-Dstyle.color=never", "-f", str(pom_path),
-               "dependency:build-classpath", f"-Dpulsar.version={version}",
-               "-Dpulsar.component=broker", f"-Dmdep.outputFile={out}"]
-        if repo:
-            cmd.append(f"-Dmaven.repo.local={repo}")
-        log.info("resolving Pulsar %s jars with Maven (about 245 MB the first time)", version)
-        try:
-            result = subprocess.run(cmd, capture_output=True, text=True,
-                                    timeout=MAVEN_TIMEOUT_S, check=False)
-        except subprocess.TimeoutExpired:
-            raise DevClusterError(
-                f"Maven did not resolve Pulsar {version} within {MAVEN_TIMEOUT_S:.0f} s") from None
-        if result.returncode != 0 or not out.exists():
-            text = re.sub(r"\x1b\[[0-9;]*m", "", result.stdout + result.stderr)
-            raise DevClusterError(
-                f"Maven could not resolve org.apache.pulsar:pulsar-broker:{version} (Central "
-                "serves only some 4.0.x completely; 4.0.7 resolves). Maven said:\n"
-                + "\n".join(text.strip().splitlines()[-15:]))
-        classpath = out.read_text().strip()
-    tmp_cache = cache_file.with_suffix(f".{os.getpid()}.tmp")
-    tmp_cache.write_text(classpath)
-    tmp_cache.replace(cache_file)
-    return [Path(p) for p in classpath.split(os.pathsep) if p]
+    return resolve_classpath(
+        "Pulsar", version, POM_RESOURCE,
+        {"pulsar.version": version, "pulsar.component": "broker"},
+        coordinates=f"org.apache.pulsar:pulsar-broker:{version} (Central serves only some "
+                    "4.0.x completely; 4.0.7 resolves)", refresh=refresh)
 
 
 class LocalPulsar(LocalServer):
@@ -219,7 +169,7 @@ class LocalPulsar(LocalServer):
 
     def start(self) -> None:
         """Resolve the jars, launch the JVM and wait until the broker is ready."""
-        java = find_java()
+        java = find_java("Pulsar 4.0 brokers")
         self.classpath = pulsar_classpath(self.version)
         if self.data_dir is None:
             self.data_dir = Path(tempfile.mkdtemp(prefix="dualwrite-pulsar-"))
