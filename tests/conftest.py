@@ -51,30 +51,34 @@ def pytest_addoption(parser: pytest.Parser) -> None:
              "version, not only its quick form",
     )
     parser.addoption(
+        "--spark-full", action="store_true", default=False,
+        help="kill the Spark driver at every crash point on every database "
+             "(tests/spark/test_sink.py); CI runs a subset",
+    )
+    parser.addoption(
         "--pulsar-full", action="store_true", default=False,
         help="also pin Pulsar's transaction behaviour with its own Java client "
              "(tests/participant/test_pulsar_facts.py); CI runs our client's tier only",
     )
 
 
+#: Tiers CI leaves out: marker -> (the option that runs it, why the test is skipped without it).
+FULL_TIERS = {
+    "mariadb_full": ("--mariadb-full", "MariaDB beyond the quick subset"),
+    "compat_full": ("--compat-full", "compatibility tier, full form"),
+    "pulsar_full": ("--pulsar-full", "Pulsar facts via the Java client"),
+    "spark_full": ("--spark-full", "Spark crash points beyond CI's subset"),
+}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.getoption("--mariadb-full"):
-        skip_mariadb = pytest.mark.skip(reason="MariaDB beyond the quick subset: run with "
-                                               "--mariadb-full")
+    for marker, (option, why) in FULL_TIERS.items():
+        if config.getoption(option):
+            continue
+        skip_tier = pytest.mark.skip(reason=f"{why}: run with {option}")
         for item in items:
-            if "mariadb_full" in item.keywords:
-                item.add_marker(skip_mariadb)
-    if not config.getoption("--compat-full"):
-        skip_full = pytest.mark.skip(reason="compatibility tier, full form: run with --compat-full")
-        for item in items:
-            if "compat_full" in item.keywords:
-                item.add_marker(skip_full)
-    if not config.getoption("--pulsar-full"):
-        skip_pulsar = pytest.mark.skip(reason="Pulsar facts via the Java client: run with "
-                                              "--pulsar-full")
-        for item in items:
-            if "pulsar_full" in item.keywords:
-                item.add_marker(skip_pulsar)
+            if marker in item.keywords:
+                item.add_marker(skip_tier)
     if config.getoption("--soak"):
         return
     skip = pytest.mark.skip(reason="slow soak test: run with --soak")

@@ -30,9 +30,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
@@ -58,6 +57,9 @@ from dualwrite.errors import (
     TransactionStateError,
 )
 from dualwrite.participant.prepared_state import PreparedTxnState
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 __all__ = [
     "PARTICIPANT_TABLE",
@@ -505,6 +507,8 @@ class StagingTable:
               rows: Iterable[Sequence[Any]]) -> int:
         """Stage ``rows`` (tuples in :attr:`columns` order) for one task attempt, as a task's
         :meth:`writer` does; returns the count."""
+        import pyarrow as pa  # here, not at import: the CLI never needs it
+
         columns = list(zip(*rows, strict=True)) or [() for _ in self.columns]
         batch = pa.RecordBatch.from_arrays([pa.array(list(c)) for c in columns],
                                            names=list(self.columns))

@@ -21,9 +21,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
@@ -37,6 +36,9 @@ from dualwrite.errors import (
     RetriableError,
 )
 from dualwrite.participant.outcome import Outcome
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 __all__ = [
     "PreparedDatabaseTxn",

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
 import sqlalchemy as sa
 from sqlalchemy import Engine
 
 from dualwrite.errors import FatalError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 __all__ = ["ArrowCopy", "target_columns"]
 
@@ -42,6 +44,8 @@ def target_columns(engine: Engine, target: str, columns: Sequence[str] | None
 
 def _csv_safe(kind: pa.DataType) -> bool:
     """Whether pyarrow's CSV writer renders ``kind`` as PostgreSQL's COPY reads it back."""
+    import pyarrow as pa  # here, not at import: the CLI never needs it
+
     return bool(pa.types.is_integer(kind) or pa.types.is_floating(kind)
                 or pa.types.is_boolean(kind) or pa.types.is_string(kind)
                 or pa.types.is_large_string(kind) or pa.types.is_decimal(kind)
@@ -71,6 +75,7 @@ class ArrowCopy:
 
     def write(self, batch: pa.RecordBatch) -> int:
         """COPY ``batch``'s :attr:`columns` (taken by name); returns its row count."""
+        import pyarrow as pa
         import pyarrow.csv as pa_csv
 
         n = int(batch.num_rows)

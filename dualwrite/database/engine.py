@@ -27,6 +27,7 @@ import shlex
 import socket
 import sqlite3
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -230,7 +231,7 @@ def create_engine(url: str | URL, **kw: Any) -> Engine:
     if backend == "sqlite":
         connect_args.setdefault("timeout", DEFAULT_SQLITE_BUSY_TIMEOUT_S)
         engine = _sa_engine(parsed, connect_args, kw)
-        _install_sqlite_hooks(engine)
+        _install_sqlite_hooks(engine, float(connect_args["timeout"]))
         return engine
     if backend in _MYSQL_DIALECTS:
         if "connect_timeout" not in parsed.query:
@@ -438,18 +439,33 @@ def _endpoint(url: URL) -> str:
     return f"{url.host or 'localhost'}:{url.port or default}"
 
 
-def _install_sqlite_hooks(engine: Engine) -> None:
+def _enable_wal(dbapi_connection: Any, busy_timeout_s: float) -> None:
+    """``PRAGMA journal_mode=WAL`` (an in-memory database stays "memory"), retried while the
+    database is locked: SQLite answers a switch that races another connection's with "database
+    is locked" at once, without waiting the busy timeout (several processes opening a new file)."""
+    deadline = time.monotonic() + busy_timeout_s
+    cursor = dbapi_connection.cursor()
+    try:
+        while True:
+            try:
+                cursor.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+    finally:
+        cursor.close()
+
+
+def _install_sqlite_hooks(engine: Engine, busy_timeout_s: float) -> None:
     """SQLAlchemy's pysqlite recipe: the driver sends no BEGIN; we send BEGIN IMMEDIATE."""
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         # Stop the sqlite3 module from issuing its own (deferred, lazily placed) BEGIN.
         dbapi_connection.isolation_level = None
-        cursor = dbapi_connection.cursor()
-        try:
-            cursor.execute("PRAGMA journal_mode=WAL")  # an in-memory database stays "memory"
-        finally:
-            cursor.close()
+        _enable_wal(dbapi_connection, busy_timeout_s)
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:

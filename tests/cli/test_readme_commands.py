@@ -260,7 +260,7 @@ SCENARIOS = [
                 "[--cases baseline,naive+sql,naive+copy,floor,kafka,kafka+sql,kafka+staged]\n"
                 "                     [--json]",
                 './run.sh bench spark --quick --records 4000 --batches 2 --tiny-batches 1 '
-                '--partitions 2 --db-url "$DUALWRITE_DATABASE_URL"')),
+                '--partitions 2 --cases baseline,kafka+sql --db-url "$DUALWRITE_DATABASE_URL"')),
         expect=((r"recover\(\) over 5 in-doubt transactional ids", 1),
                 (r"^ +8 async-gc ", 1), (r"^memory per pooled writer", 1),
                 (r"^SUMMARY: .*verified OK", 1),

@@ -188,7 +188,7 @@ _XID_REUSE = pytest.mark.xfail(
 
 
 @pytest.mark.parametrize("how,every_s,default_s", [
-    ("terminate", (1.5, 3.0), 40.0),
+    ("terminate", (1.5, 3.0), 25.0),
     pytest.param("restart", (4.0, 6.0), 25.0, marks=_XID_REUSE),
 ])
 def test_two_writers_and_recover_in_a_loop_while_every_session_is_killed(
