@@ -246,7 +246,7 @@ class Connection:
         self._write(encode_command(pb.BaseCommand(type=pb.BaseCommand.CONNECT, connect=connect)),
                     deadline, "CONNECT")
         while True:
-            cmd = self._read_frame(deadline, "CONNECT", sent=True).command
+            cmd = self.read_frame(deadline, "CONNECT", sent=True).command
             if cmd.type == pb.BaseCommand.CONNECTED:
                 self.server_version = cmd.connected.server_version
                 if cmd.connected.HasField("max_message_size"):
@@ -282,10 +282,10 @@ class Connection:
     def await_answer(self, request_id: int, deadline: float, what: str) -> pb.BaseCommand:
         """Read frames until the answer carrying ``request_id`` (see :meth:`request`)."""
         while True:
-            cmd = self._read_frame(deadline, what, sent=True).command
+            cmd = self.read_frame(deadline, what, sent=True).command
             field = _ANSWER_FIELD.get(cmd.type)
             if field is None:
-                self._unsolicited(cmd, deadline)
+                self.handle_unsolicited(cmd, deadline)
                 continue
             answer = getattr(cmd, field)
             if answer.request_id != request_id:
@@ -321,7 +321,7 @@ class Connection:
         pending = {first_sequence_id + i: i for i in range(len(payloads))}
         ids: list[MessageId | None] = [None] * len(payloads)
         while pending:
-            cmd = self._read_frame(deadline, what, sent=True).command
+            cmd = self.read_frame(deadline, what, sent=True).command
             if cmd.type == pb.BaseCommand.SEND_RECEIPT:
                 r = cmd.send_receipt
                 if r.producer_id == producer_id and r.sequence_id in pending:
@@ -334,7 +334,7 @@ class Connection:
                     raise server_error(e.error, e.message, f"{what} (sequence id "
                                        f"{e.sequence_id})")
             else:
-                self._unsolicited(cmd, deadline)
+                self.handle_unsolicited(cmd, deadline)
                 if producer_id in self.closed_producers:
                     raise PulsarRetriableError(
                         f"{what}: the broker closed the producer (topic unloaded or moved) "
@@ -361,7 +361,7 @@ class Connection:
                     self._sock.setblocking(True)
             deadline = time.monotonic() + 5.0
             while self._frame_ready():
-                self._unsolicited(self._read_frame(deadline, "poll").command, deadline)
+                self.handle_unsolicited(self.read_frame(deadline, "poll").command, deadline)
         except (OSError, PulsarError):
             self.close()
             return False
@@ -373,7 +373,12 @@ class Connection:
             with contextlib.suppress(OSError):
                 self._sock.close()
 
-    def _unsolicited(self, cmd: pb.BaseCommand, deadline: float) -> None:
+    def write_command(self, command: pb.BaseCommand, deadline: float, what: str) -> None:
+        """Write ``command`` without waiting for an answer (FLOW has none)."""
+        self._write(encode_command(command), deadline, what)
+
+    def handle_unsolicited(self, cmd: pb.BaseCommand, deadline: float) -> None:
+        """Answer a PING, note a CLOSE_PRODUCER; log and drop anything else."""
         if cmd.type == pb.BaseCommand.PING:
             self._pong(deadline)
         elif cmd.type == pb.BaseCommand.CLOSE_PRODUCER:
@@ -408,7 +413,7 @@ class Connection:
                                         f"({e.strerror or type(e).__name__})",
                                         sent=True) from None
 
-    def _read_frame(self, deadline: float, what: str, *, sent: bool = False) -> Frame:
+    def read_frame(self, deadline: float, what: str, *, sent: bool = False) -> Frame:
         """The next frame, reading from the socket as needed. A failure closes the connection:
         a frame read in part cannot be resumed."""
         try:

@@ -27,6 +27,7 @@ from dualwrite.participant.pulsar.errors import (
     TransactionNotFoundError,
     server_error,
 )
+from dualwrite.participant.pulsar.reader import PartitionReader
 
 __all__ = ["TC_ASSIGN_TOPIC", "PulsarTxnClient", "full_topic_name"]
 
@@ -176,6 +177,19 @@ class PulsarTxnClient:
                     f"{what}: sent, but no answer came ({e}); the transaction may or may not "
                     "have ended") from None
             raise
+
+    def reader(self, topic: str, start: MessageId) -> PartitionReader:
+        """A non-durable reader of ``topic`` (a partition, or a non-partitioned topic) from
+        ``start`` on (inclusive), on its own connection to the topic's owner; close it after."""
+        deadline = self._deadline()
+        name = full_topic_name(topic)
+
+        def open_reader() -> PartitionReader:
+            target = self._lookup(name, deadline)
+            return PartitionReader.open(target.host, target.port, name, start, deadline,
+                                        token=self._token, proxy_to_broker_url=target.proxy_to)
+
+        return self._retrying(deadline, open_reader)
 
     def partitions(self, topic: str) -> list[str]:
         """The partition names of ``topic`` (itself when it is not partitioned)."""

@@ -14,6 +14,8 @@ from dualwrite.errors import (
     BrokerUnreachableError,
     DualWriteError,
     FatalError,
+    HeuristicAbortError,
+    HeuristicCommitError,
     OutcomeUnknownError,
     ProducerFencedError,
     RetriableError,
@@ -25,12 +27,15 @@ __all__ = [
     "PulsarError",
     "PulsarErrorInfo",
     "PulsarFatalError",
+    "PulsarHeuristicAbortError",
+    "PulsarHeuristicCommitError",
     "PulsarOutcomeUnknownError",
     "PulsarProducerFencedError",
     "PulsarProtocolError",
     "PulsarRetriableError",
     "PulsarTimeoutError",
     "PulsarTopicError",
+    "PulsarTxnStillOpenError",
     "PulsarUnsupportedError",
     "TransactionNotFoundError",
     "error_info",
@@ -108,6 +113,40 @@ class TransactionNotFoundError(PulsarFatalError):
     """The coordinator does not know this TxnID: never issued, already committed, already
     aborted, timed out, or owned by another role. A finished transaction reads exactly like an
     unknown one, so this never proves an outcome: recovery needs its own evidence."""
+
+
+class PulsarTxnStillOpenError(PulsarRetriableError):
+    """The coordinator no longer answers for the transaction, but its anchor partition still
+    holds dispatch at an open transaction (this one, ending, or an earlier one there): retry."""
+
+
+class PulsarHeuristicAbortError(HeuristicAbortError, PulsarError):
+    """Commit was decided, but Pulsar aborted the transaction (e.g. its timeout passed before
+    the commit came): its messages are lost. ``transactional_id`` is the TxnID, ``state`` the
+    prepared state string."""
+
+    def __init__(self, txn: str, state: str, detail: str) -> None:
+        PulsarError.__init__(
+            self, f"Pulsar transaction {txn}: commit was decided (prepared state {state!r}) but "
+            f"Pulsar aborted the transaction ({detail}); its messages are lost. Re-publish them "
+            "from the database rows of that transaction.")
+        self.transactional_id = txn
+        self.state = state
+        self.detail = detail
+
+
+class PulsarHeuristicCommitError(HeuristicCommitError, PulsarError):
+    """Abort was decided, but Pulsar had committed the transaction: its messages are visible
+    without a decision covering them; compensate."""
+
+    def __init__(self, txn: str, state: str, detail: str) -> None:
+        PulsarError.__init__(
+            self, f"Pulsar transaction {txn}: abort was decided (prepared state {state!r}) but "
+            f"Pulsar committed the transaction ({detail}); its messages are visible. "
+            "Compensate for them.")
+        self.transactional_id = txn
+        self.state = state
+        self.detail = detail
 
 
 _R, _F, _A, _T = PulsarRetriableError, PulsarFatalError, PulsarAuthError, PulsarTopicError

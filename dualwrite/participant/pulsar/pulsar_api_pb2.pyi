@@ -11,6 +11,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CompressionType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NONE: _ClassVar[CompressionType]
+    LZ4: _ClassVar[CompressionType]
+    ZLIB: _ClassVar[CompressionType]
+    ZSTD: _ClassVar[CompressionType]
+    SNAPPY: _ClassVar[CompressionType]
+
 class ServerError(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     UnknownError: _ClassVar[ServerError]
@@ -44,6 +52,11 @@ class TxnAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     COMMIT: _ClassVar[TxnAction]
     ABORT: _ClassVar[TxnAction]
+NONE: CompressionType
+LZ4: CompressionType
+ZLIB: CompressionType
+ZSTD: CompressionType
+SNAPPY: CompressionType
 UnknownError: ServerError
 MetadataError: ServerError
 PersistenceError: ServerError
@@ -94,14 +107,17 @@ class KeyValue(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class MessageMetadata(_message.Message):
-    __slots__ = ("producer_name", "sequence_id", "publish_time", "properties", "partition_key", "num_messages_in_batch", "event_time", "txnid_least_bits", "txnid_most_bits", "null_value")
+    __slots__ = ("producer_name", "sequence_id", "publish_time", "properties", "partition_key", "compression", "uncompressed_size", "num_messages_in_batch", "event_time", "marker_type", "txnid_least_bits", "txnid_most_bits", "null_value")
     PRODUCER_NAME_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_TIME_FIELD_NUMBER: _ClassVar[int]
     PROPERTIES_FIELD_NUMBER: _ClassVar[int]
     PARTITION_KEY_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    UNCOMPRESSED_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_MESSAGES_IN_BATCH_FIELD_NUMBER: _ClassVar[int]
     EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
+    MARKER_TYPE_FIELD_NUMBER: _ClassVar[int]
     TXNID_LEAST_BITS_FIELD_NUMBER: _ClassVar[int]
     TXNID_MOST_BITS_FIELD_NUMBER: _ClassVar[int]
     NULL_VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -110,12 +126,39 @@ class MessageMetadata(_message.Message):
     publish_time: int
     properties: _containers.RepeatedCompositeFieldContainer[KeyValue]
     partition_key: str
+    compression: CompressionType
+    uncompressed_size: int
     num_messages_in_batch: int
     event_time: int
+    marker_type: int
     txnid_least_bits: int
     txnid_most_bits: int
     null_value: bool
-    def __init__(self, producer_name: _Optional[str] = ..., sequence_id: _Optional[int] = ..., publish_time: _Optional[int] = ..., properties: _Optional[_Iterable[_Union[KeyValue, _Mapping]]] = ..., partition_key: _Optional[str] = ..., num_messages_in_batch: _Optional[int] = ..., event_time: _Optional[int] = ..., txnid_least_bits: _Optional[int] = ..., txnid_most_bits: _Optional[int] = ..., null_value: _Optional[bool] = ...) -> None: ...
+    def __init__(self, producer_name: _Optional[str] = ..., sequence_id: _Optional[int] = ..., publish_time: _Optional[int] = ..., properties: _Optional[_Iterable[_Union[KeyValue, _Mapping]]] = ..., partition_key: _Optional[str] = ..., compression: _Optional[_Union[CompressionType, str]] = ..., uncompressed_size: _Optional[int] = ..., num_messages_in_batch: _Optional[int] = ..., event_time: _Optional[int] = ..., marker_type: _Optional[int] = ..., txnid_least_bits: _Optional[int] = ..., txnid_most_bits: _Optional[int] = ..., null_value: _Optional[bool] = ...) -> None: ...
+
+class SingleMessageMetadata(_message.Message):
+    __slots__ = ("properties", "partition_key", "payload_size", "compacted_out", "event_time", "partition_key_b64_encoded", "ordering_key", "sequence_id", "null_value", "null_partition_key")
+    PROPERTIES_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_KEY_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COMPACTED_OUT_FIELD_NUMBER: _ClassVar[int]
+    EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_KEY_B64_ENCODED_FIELD_NUMBER: _ClassVar[int]
+    ORDERING_KEY_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NULL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    NULL_PARTITION_KEY_FIELD_NUMBER: _ClassVar[int]
+    properties: _containers.RepeatedCompositeFieldContainer[KeyValue]
+    partition_key: str
+    payload_size: int
+    compacted_out: bool
+    event_time: int
+    partition_key_b64_encoded: bool
+    ordering_key: bytes
+    sequence_id: int
+    null_value: bool
+    null_partition_key: bool
+    def __init__(self, properties: _Optional[_Iterable[_Union[KeyValue, _Mapping]]] = ..., partition_key: _Optional[str] = ..., payload_size: _Optional[int] = ..., compacted_out: _Optional[bool] = ..., event_time: _Optional[int] = ..., partition_key_b64_encoded: _Optional[bool] = ..., ordering_key: _Optional[bytes] = ..., sequence_id: _Optional[int] = ..., null_value: _Optional[bool] = ..., null_partition_key: _Optional[bool] = ...) -> None: ...
 
 class FeatureFlags(_message.Message):
     __slots__ = ("supports_auth_refresh", "supports_broker_entry_metadata", "supports_partial_producer", "supports_topic_watchers")
@@ -250,6 +293,116 @@ class CommandLookupTopicResponse(_message.Message):
     message: str
     proxy_through_service_url: bool
     def __init__(self, brokerServiceUrl: _Optional[str] = ..., brokerServiceUrlTls: _Optional[str] = ..., response: _Optional[_Union[CommandLookupTopicResponse.LookupType, str]] = ..., request_id: _Optional[int] = ..., authoritative: _Optional[bool] = ..., error: _Optional[_Union[ServerError, str]] = ..., message: _Optional[str] = ..., proxy_through_service_url: _Optional[bool] = ...) -> None: ...
+
+class CommandSubscribe(_message.Message):
+    __slots__ = ("topic", "subscription", "subType", "consumer_id", "request_id", "consumer_name", "priority_level", "durable", "start_message_id", "metadata", "read_compacted", "initialPosition", "replicate_subscription_state", "force_topic_creation", "start_message_rollback_duration_sec", "consumer_epoch")
+    class SubType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        Exclusive: _ClassVar[CommandSubscribe.SubType]
+        Shared: _ClassVar[CommandSubscribe.SubType]
+        Failover: _ClassVar[CommandSubscribe.SubType]
+        Key_Shared: _ClassVar[CommandSubscribe.SubType]
+    Exclusive: CommandSubscribe.SubType
+    Shared: CommandSubscribe.SubType
+    Failover: CommandSubscribe.SubType
+    Key_Shared: CommandSubscribe.SubType
+    class InitialPosition(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        Latest: _ClassVar[CommandSubscribe.InitialPosition]
+        Earliest: _ClassVar[CommandSubscribe.InitialPosition]
+    Latest: CommandSubscribe.InitialPosition
+    Earliest: CommandSubscribe.InitialPosition
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    SUBTYPE_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_NAME_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    START_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    READ_COMPACTED_FIELD_NUMBER: _ClassVar[int]
+    INITIALPOSITION_FIELD_NUMBER: _ClassVar[int]
+    REPLICATE_SUBSCRIPTION_STATE_FIELD_NUMBER: _ClassVar[int]
+    FORCE_TOPIC_CREATION_FIELD_NUMBER: _ClassVar[int]
+    START_MESSAGE_ROLLBACK_DURATION_SEC_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    subscription: str
+    subType: CommandSubscribe.SubType
+    consumer_id: int
+    request_id: int
+    consumer_name: str
+    priority_level: int
+    durable: bool
+    start_message_id: MessageIdData
+    metadata: _containers.RepeatedCompositeFieldContainer[KeyValue]
+    read_compacted: bool
+    initialPosition: CommandSubscribe.InitialPosition
+    replicate_subscription_state: bool
+    force_topic_creation: bool
+    start_message_rollback_duration_sec: int
+    consumer_epoch: int
+    def __init__(self, topic: _Optional[str] = ..., subscription: _Optional[str] = ..., subType: _Optional[_Union[CommandSubscribe.SubType, str]] = ..., consumer_id: _Optional[int] = ..., request_id: _Optional[int] = ..., consumer_name: _Optional[str] = ..., priority_level: _Optional[int] = ..., durable: _Optional[bool] = ..., start_message_id: _Optional[_Union[MessageIdData, _Mapping]] = ..., metadata: _Optional[_Iterable[_Union[KeyValue, _Mapping]]] = ..., read_compacted: _Optional[bool] = ..., initialPosition: _Optional[_Union[CommandSubscribe.InitialPosition, str]] = ..., replicate_subscription_state: _Optional[bool] = ..., force_topic_creation: _Optional[bool] = ..., start_message_rollback_duration_sec: _Optional[int] = ..., consumer_epoch: _Optional[int] = ...) -> None: ...
+
+class CommandMessage(_message.Message):
+    __slots__ = ("consumer_id", "message_id", "redelivery_count", "ack_set", "consumer_epoch")
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    REDELIVERY_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ACK_SET_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: int
+    message_id: MessageIdData
+    redelivery_count: int
+    ack_set: _containers.RepeatedScalarFieldContainer[int]
+    consumer_epoch: int
+    def __init__(self, consumer_id: _Optional[int] = ..., message_id: _Optional[_Union[MessageIdData, _Mapping]] = ..., redelivery_count: _Optional[int] = ..., ack_set: _Optional[_Iterable[int]] = ..., consumer_epoch: _Optional[int] = ...) -> None: ...
+
+class CommandFlow(_message.Message):
+    __slots__ = ("consumer_id", "messagePermits")
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGEPERMITS_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: int
+    messagePermits: int
+    def __init__(self, consumer_id: _Optional[int] = ..., messagePermits: _Optional[int] = ...) -> None: ...
+
+class CommandUnsubscribe(_message.Message):
+    __slots__ = ("consumer_id", "request_id", "force")
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: int
+    request_id: int
+    force: bool
+    def __init__(self, consumer_id: _Optional[int] = ..., request_id: _Optional[int] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class CommandCloseConsumer(_message.Message):
+    __slots__ = ("consumer_id", "request_id", "assignedBrokerServiceUrl", "assignedBrokerServiceUrlTls")
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNEDBROKERSERVICEURL_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNEDBROKERSERVICEURLTLS_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: int
+    request_id: int
+    assignedBrokerServiceUrl: str
+    assignedBrokerServiceUrlTls: str
+    def __init__(self, consumer_id: _Optional[int] = ..., request_id: _Optional[int] = ..., assignedBrokerServiceUrl: _Optional[str] = ..., assignedBrokerServiceUrlTls: _Optional[str] = ...) -> None: ...
+
+class CommandReachedEndOfTopic(_message.Message):
+    __slots__ = ("consumer_id",)
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: int
+    def __init__(self, consumer_id: _Optional[int] = ...) -> None: ...
+
+class CommandActiveConsumerChange(_message.Message):
+    __slots__ = ("consumer_id", "is_active")
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    IS_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: int
+    is_active: bool
+    def __init__(self, consumer_id: _Optional[int] = ..., is_active: _Optional[bool] = ...) -> None: ...
 
 class CommandProducer(_message.Message):
     __slots__ = ("topic", "producer_id", "request_id", "producer_name", "txn_enabled")
@@ -440,7 +593,7 @@ class CommandEndTxnResponse(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., txnid_least_bits: _Optional[int] = ..., txnid_most_bits: _Optional[int] = ..., error: _Optional[_Union[ServerError, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class BaseCommand(_message.Message):
-    __slots__ = ("type", "connect", "connected", "producer", "send", "send_receipt", "send_error", "success", "error", "close_producer", "producer_success", "ping", "pong", "partitionMetadata", "partitionMetadataResponse", "lookupTopic", "lookupTopicResponse", "authChallenge", "authResponse", "newTxn", "newTxnResponse", "addPartitionToTxn", "addPartitionToTxnResponse", "endTxn", "endTxnResponse", "tcClientConnectRequest", "tcClientConnectResponse")
+    __slots__ = ("type", "connect", "connected", "subscribe", "producer", "send", "send_receipt", "send_error", "message", "flow", "unsubscribe", "success", "error", "close_producer", "close_consumer", "producer_success", "ping", "pong", "partitionMetadata", "partitionMetadataResponse", "lookupTopic", "lookupTopicResponse", "reachedEndOfTopic", "active_consumer_change", "authChallenge", "authResponse", "newTxn", "newTxnResponse", "addPartitionToTxn", "addPartitionToTxnResponse", "endTxn", "endTxnResponse", "tcClientConnectRequest", "tcClientConnectResponse")
     class Type(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         CONNECT: _ClassVar[BaseCommand.Type]
@@ -562,13 +715,18 @@ class BaseCommand(_message.Message):
     TYPE_FIELD_NUMBER: _ClassVar[int]
     CONNECT_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBE_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_FIELD_NUMBER: _ClassVar[int]
     SEND_FIELD_NUMBER: _ClassVar[int]
     SEND_RECEIPT_FIELD_NUMBER: _ClassVar[int]
     SEND_ERROR_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FLOW_FIELD_NUMBER: _ClassVar[int]
+    UNSUBSCRIBE_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CLOSE_PRODUCER_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_CONSUMER_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_SUCCESS_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     PONG_FIELD_NUMBER: _ClassVar[int]
@@ -576,6 +734,8 @@ class BaseCommand(_message.Message):
     PARTITIONMETADATARESPONSE_FIELD_NUMBER: _ClassVar[int]
     LOOKUPTOPIC_FIELD_NUMBER: _ClassVar[int]
     LOOKUPTOPICRESPONSE_FIELD_NUMBER: _ClassVar[int]
+    REACHEDENDOFTOPIC_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_CONSUMER_CHANGE_FIELD_NUMBER: _ClassVar[int]
     AUTHCHALLENGE_FIELD_NUMBER: _ClassVar[int]
     AUTHRESPONSE_FIELD_NUMBER: _ClassVar[int]
     NEWTXN_FIELD_NUMBER: _ClassVar[int]
@@ -589,13 +749,18 @@ class BaseCommand(_message.Message):
     type: BaseCommand.Type
     connect: CommandConnect
     connected: CommandConnected
+    subscribe: CommandSubscribe
     producer: CommandProducer
     send: CommandSend
     send_receipt: CommandSendReceipt
     send_error: CommandSendError
+    message: CommandMessage
+    flow: CommandFlow
+    unsubscribe: CommandUnsubscribe
     success: CommandSuccess
     error: CommandError
     close_producer: CommandCloseProducer
+    close_consumer: CommandCloseConsumer
     producer_success: CommandProducerSuccess
     ping: CommandPing
     pong: CommandPong
@@ -603,6 +768,8 @@ class BaseCommand(_message.Message):
     partitionMetadataResponse: CommandPartitionedTopicMetadataResponse
     lookupTopic: CommandLookupTopic
     lookupTopicResponse: CommandLookupTopicResponse
+    reachedEndOfTopic: CommandReachedEndOfTopic
+    active_consumer_change: CommandActiveConsumerChange
     authChallenge: CommandAuthChallenge
     authResponse: CommandAuthResponse
     newTxn: CommandNewTxn
@@ -613,4 +780,4 @@ class BaseCommand(_message.Message):
     endTxnResponse: CommandEndTxnResponse
     tcClientConnectRequest: CommandTcClientConnectRequest
     tcClientConnectResponse: CommandTcClientConnectResponse
-    def __init__(self, type: _Optional[_Union[BaseCommand.Type, str]] = ..., connect: _Optional[_Union[CommandConnect, _Mapping]] = ..., connected: _Optional[_Union[CommandConnected, _Mapping]] = ..., producer: _Optional[_Union[CommandProducer, _Mapping]] = ..., send: _Optional[_Union[CommandSend, _Mapping]] = ..., send_receipt: _Optional[_Union[CommandSendReceipt, _Mapping]] = ..., send_error: _Optional[_Union[CommandSendError, _Mapping]] = ..., success: _Optional[_Union[CommandSuccess, _Mapping]] = ..., error: _Optional[_Union[CommandError, _Mapping]] = ..., close_producer: _Optional[_Union[CommandCloseProducer, _Mapping]] = ..., producer_success: _Optional[_Union[CommandProducerSuccess, _Mapping]] = ..., ping: _Optional[_Union[CommandPing, _Mapping]] = ..., pong: _Optional[_Union[CommandPong, _Mapping]] = ..., partitionMetadata: _Optional[_Union[CommandPartitionedTopicMetadata, _Mapping]] = ..., partitionMetadataResponse: _Optional[_Union[CommandPartitionedTopicMetadataResponse, _Mapping]] = ..., lookupTopic: _Optional[_Union[CommandLookupTopic, _Mapping]] = ..., lookupTopicResponse: _Optional[_Union[CommandLookupTopicResponse, _Mapping]] = ..., authChallenge: _Optional[_Union[CommandAuthChallenge, _Mapping]] = ..., authResponse: _Optional[_Union[CommandAuthResponse, _Mapping]] = ..., newTxn: _Optional[_Union[CommandNewTxn, _Mapping]] = ..., newTxnResponse: _Optional[_Union[CommandNewTxnResponse, _Mapping]] = ..., addPartitionToTxn: _Optional[_Union[CommandAddPartitionToTxn, _Mapping]] = ..., addPartitionToTxnResponse: _Optional[_Union[CommandAddPartitionToTxnResponse, _Mapping]] = ..., endTxn: _Optional[_Union[CommandEndTxn, _Mapping]] = ..., endTxnResponse: _Optional[_Union[CommandEndTxnResponse, _Mapping]] = ..., tcClientConnectRequest: _Optional[_Union[CommandTcClientConnectRequest, _Mapping]] = ..., tcClientConnectResponse: _Optional[_Union[CommandTcClientConnectResponse, _Mapping]] = ...) -> None: ...
+    def __init__(self, type: _Optional[_Union[BaseCommand.Type, str]] = ..., connect: _Optional[_Union[CommandConnect, _Mapping]] = ..., connected: _Optional[_Union[CommandConnected, _Mapping]] = ..., subscribe: _Optional[_Union[CommandSubscribe, _Mapping]] = ..., producer: _Optional[_Union[CommandProducer, _Mapping]] = ..., send: _Optional[_Union[CommandSend, _Mapping]] = ..., send_receipt: _Optional[_Union[CommandSendReceipt, _Mapping]] = ..., send_error: _Optional[_Union[CommandSendError, _Mapping]] = ..., message: _Optional[_Union[CommandMessage, _Mapping]] = ..., flow: _Optional[_Union[CommandFlow, _Mapping]] = ..., unsubscribe: _Optional[_Union[CommandUnsubscribe, _Mapping]] = ..., success: _Optional[_Union[CommandSuccess, _Mapping]] = ..., error: _Optional[_Union[CommandError, _Mapping]] = ..., close_producer: _Optional[_Union[CommandCloseProducer, _Mapping]] = ..., close_consumer: _Optional[_Union[CommandCloseConsumer, _Mapping]] = ..., producer_success: _Optional[_Union[CommandProducerSuccess, _Mapping]] = ..., ping: _Optional[_Union[CommandPing, _Mapping]] = ..., pong: _Optional[_Union[CommandPong, _Mapping]] = ..., partitionMetadata: _Optional[_Union[CommandPartitionedTopicMetadata, _Mapping]] = ..., partitionMetadataResponse: _Optional[_Union[CommandPartitionedTopicMetadataResponse, _Mapping]] = ..., lookupTopic: _Optional[_Union[CommandLookupTopic, _Mapping]] = ..., lookupTopicResponse: _Optional[_Union[CommandLookupTopicResponse, _Mapping]] = ..., reachedEndOfTopic: _Optional[_Union[CommandReachedEndOfTopic, _Mapping]] = ..., active_consumer_change: _Optional[_Union[CommandActiveConsumerChange, _Mapping]] = ..., authChallenge: _Optional[_Union[CommandAuthChallenge, _Mapping]] = ..., authResponse: _Optional[_Union[CommandAuthResponse, _Mapping]] = ..., newTxn: _Optional[_Union[CommandNewTxn, _Mapping]] = ..., newTxnResponse: _Optional[_Union[CommandNewTxnResponse, _Mapping]] = ..., addPartitionToTxn: _Optional[_Union[CommandAddPartitionToTxn, _Mapping]] = ..., addPartitionToTxnResponse: _Optional[_Union[CommandAddPartitionToTxnResponse, _Mapping]] = ..., endTxn: _Optional[_Union[CommandEndTxn, _Mapping]] = ..., endTxnResponse: _Optional[_Union[CommandEndTxnResponse, _Mapping]] = ..., tcClientConnectRequest: _Optional[_Union[CommandTcClientConnectRequest, _Mapping]] = ..., tcClientConnectResponse: _Optional[_Union[CommandTcClientConnectResponse, _Mapping]] = ...) -> None: ...

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -47,6 +48,9 @@ from dualwrite.participant.pulsar._wire import (
     encode_send,
 )
 from dualwrite.participant.pulsar.errors import error_info, server_error
+
+if TYPE_CHECKING:
+    from dualwrite.dev.pulsar_cluster import LocalPulsar
 
 ROOT = Path(__file__).resolve().parents[3]
 HAS_JAVA = all(shutil.which(t) for t in ("java", "javac", "mvn"))
@@ -406,13 +410,10 @@ class Scenario:
 
 
 @pytest.fixture(scope="module")
-def scenario() -> Iterator[Scenario]:
-    if not HAS_JAVA:
-        pytest.skip("needs java, javac and mvn (Pulsar from Maven jars)")
-    from dualwrite.dev.pulsar_cluster import DEFAULT_PULSAR_VERSION, LocalPulsar
+def scenario(pulsar_broker: LocalPulsar) -> Iterator[Scenario]:
     from tests.support.pulsar.probe import TxnProbe
 
-    with LocalPulsar(DEFAULT_PULSAR_VERSION) as broker:
+    with contextlib.nullcontext(pulsar_broker) as broker:
         url, run = broker.service_url, uuid.uuid4().hex[:8]
         topics = {k: f"persistent://public/default/{k}-{run}"
                   for k in ("commit", "abort", "killed")}
