@@ -1,5 +1,6 @@
-"""``dualwrite dev up|status|down|create-topic``: a detached local Kafka cluster (and, with
-``--postgres``, a PostgreSQL server, or with ``--mariadb`` a MariaDB server) for development."""
+"""``dualwrite dev up|status|down|create-topic``: a detached local Kafka cluster (or kfake, or
+Pulsar standalone; and, with ``--postgres``, a PostgreSQL server, or with ``--mariadb`` a MariaDB
+server) for development."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from dualwrite.dev.kafka_cluster import DEFAULT_KAFKA_VERSION, Backend, LocalKaf
 from dualwrite.dev.kfake_broker import LocalKfake, kfake_version
 from dualwrite.dev.mariadb_cluster import LocalMariaDB
 from dualwrite.dev.postgres_cluster import LocalPostgres
+from dualwrite.dev.pulsar_cluster import DEFAULT_PULSAR_VERSION, LocalPulsar
 from dualwrite.dev.security import application_acls
 
-__all__ = ["dev", "kfake_state_file", "mariadb_state_file", "postgres_state_file", "state_file"]
+__all__ = ["dev", "kfake_state_file", "mariadb_state_file", "postgres_state_file",
+           "pulsar_state_file", "state_file"]
 
 #: The database server ``dev up`` may start beside the cluster.
 DatabaseServer = LocalPostgres | LocalMariaDB
@@ -38,6 +41,11 @@ def state_file() -> Path:
 def kfake_state_file() -> Path:
     """Where ``dev up --flavour kfake`` records its broker: ``$DUALWRITE_HOME/dev/kfake.json``."""
     return dualwrite_home() / "dev" / "kfake.json"
+
+
+def pulsar_state_file() -> Path:
+    """Where ``dev up --flavour pulsar`` records its broker: ``$DUALWRITE_HOME/dev/pulsar.json``."""
+    return dualwrite_home() / "dev" / "pulsar.json"
 
 
 def postgres_state_file() -> Path:
@@ -140,10 +148,13 @@ def dev(verbose: bool) -> None:
 
 @dev.command()
 @click.option(
-    "--flavour", type=click.Choice(["kafka", "kfake"]), default="kafka", show_default=True,
+    "--flavour", type=click.Choice(["kafka", "kfake", "pulsar"]), default="kafka",
+    show_default=True,
     help="kafka: Apache Kafka (KRaft). kfake: franz-go's kfake, an independent implementation "
     "of the Kafka protocol (one in-memory broker, built with `go build` on first use), for "
-    "compatibility checks. Apache Pulsar's Kafka handler (KoP) is not on Maven Central.",
+    "compatibility checks. pulsar: Apache Pulsar standalone with its transaction coordinator "
+    f"({DEFAULT_PULSAR_VERSION}, from Maven Central's jars; prints DUALWRITE_PULSAR_URL). "
+    "Apache Pulsar's Kafka handler (KoP) is not on Maven Central.",
 )  # fmt: skip
 @click.option("--brokers", type=click.Choice(["1", "3"]), default="1", show_default=True)
 @click.option("--kafka-version", default=DEFAULT_KAFKA_VERSION, show_default=True)
@@ -198,6 +209,9 @@ def up(
     wanted_topics = [_parse_topic(t) for t in topics]
     if flavour == "kfake":
         _up_kfake(wanted_topics, postgres, mariadb, as_json, timeout, configs)
+        return
+    if flavour == "pulsar":
+        _up_pulsar(wanted_topics, postgres, mariadb, as_json, timeout, configs)
         return
     existing = _load()
     if existing is not None:
@@ -311,6 +325,79 @@ def _up_kfake(topics: list[tuple[str, int]], postgres: bool, mariadb: bool, as_j
         click.echo(f"export DUALWRITE_DATABASE_URL={server.url}")
 
 
+def _load_pulsar() -> LocalPulsar | None:
+    return _load_state(pulsar_state_file(), LocalPulsar.from_state, "Pulsar broker")
+
+
+def _up_pulsar(topics: list[tuple[str, int]], postgres: bool, mariadb: bool, as_json: bool,
+               timeout: float, configs: tuple[str, ...]) -> None:
+    """``dev up --flavour pulsar``: one Pulsar standalone (reused while it runs); ``--topic``
+    makes partitioned topics in ``public/default``."""
+    broker = _load_pulsar()
+    if broker is None or not broker.running():
+        if broker is not None:
+            broker.stop()
+        config = dict(item.partition("=")[::2] for item in configs)
+        broker = LocalPulsar(data_dir=dualwrite_home() / "dev" / "pulsar", extra_config=config,
+                             detach=True, startup_timeout=timeout)
+        try:
+            broker.start()
+        except DevClusterError as e:
+            broker.stop()
+            raise click.ClickException(str(e)) from e
+        broker.save_state(pulsar_state_file())
+    server: DatabaseServer | None = _load_mariadb() if mariadb else _load_postgres()
+    try:
+        for name, partitions in topics:
+            _create_pulsar_topic(broker, name, partitions)
+        if (postgres or mariadb) and (server is None or not server.running()):
+            server = _start_database(mariadb)
+            server.save_state(mariadb_state_file() if mariadb else postgres_state_file())
+    except DevClusterError as e:
+        raise click.ClickException(str(e)) from e
+    database_url = server.url if server is not None and (postgres or mariadb) else None
+    if as_json:
+        state = broker.to_state()
+        state["topics"] = [name for name, _ in topics]
+        state["database_url"] = database_url
+        click.echo(json.dumps(state, indent=2))
+        return
+    click.echo(f"Pulsar {broker.version} (standalone, transactions on) is up at "
+               f"{broker.service_url} (admin {broker.web_url})")
+    for name, partitions in topics:
+        click.echo(f"  topic persistent://public/default/{name} ({partitions} partitions)")
+    click.echo(f"export DUALWRITE_PULSAR_URL={broker.service_url}")
+    if database_url is not None:
+        click.echo(f"export DUALWRITE_DATABASE_URL={database_url}")
+
+
+def _create_pulsar_topic(broker: LocalPulsar, name: str, partitions: int) -> None:
+    """A partitioned topic in ``public/default``; one that exists already is kept."""
+    try:
+        code, answer = broker.admin_request(
+            "PUT", f"/admin/v2/persistent/public/default/{name}/partitions", partitions)
+    except OSError as e:
+        raise DevClusterError(f"Pulsar's admin API at {broker.web_url} did not answer: "
+                              f"{e}") from None
+    if code not in (204, 409):  # 409: it exists
+        raise DevClusterError(f"Pulsar did not create topic {name!r}: HTTP {code} {answer}")
+
+
+def _pulsar_status(broker: LocalPulsar, as_json: bool) -> NoReturn:
+    """``dev status`` for a ``dev up --flavour pulsar`` broker (and its database server)."""
+    up = broker.running()
+    servers = _load_databases()
+    if as_json:
+        state = broker.to_state()
+        state["running"] = up
+        click.echo(json.dumps(state, indent=2))
+    else:
+        click.echo(f"Pulsar {broker.version} (standalone) at {broker.service_url} "
+                   f"(pid {broker.pid}): {'up' if up else 'DOWN'}")
+        _echo_database_servers(servers)
+    sys.exit(0 if up and all(server.running() for server in servers) else 1)
+
+
 def _echo_json(cluster: LocalKafkaCluster, topics: list[tuple[str, int]],
                server: DatabaseServer | None) -> None:
     state = _json_state(cluster)
@@ -395,6 +482,9 @@ def status(as_json: bool) -> None:
         broker = _load_kfake()
         if broker is not None:
             _kfake_status(broker, as_json)
+        pulsar = _load_pulsar()
+        if pulsar is not None:
+            _pulsar_status(pulsar, as_json)
         if as_json:
             click.echo(json.dumps({"running": False, "nodes": []}))
         else:
@@ -416,10 +506,14 @@ def status(as_json: bool) -> None:
             where = f"pid {r['pid']}" if r["pid"] is not None else f"container {r['container']}"
             state_text = "up" if r["process"] and r["port_open"] else "DOWN"
             click.echo(f"  node {r['node_id']} {r['address']} ({where}): {state_text}")
+    pulsar = _load_pulsar()
+    if pulsar is not None and not as_json:
+        click.echo(f"Pulsar {pulsar.version} (standalone) at {pulsar.service_url}: "
+                   f"{'up' if pulsar.running() else 'DOWN'}")
     servers = _load_databases()
     if not as_json:
         _echo_database_servers(servers)
-    if any(not server.running() for server in servers):
+    if any(not server.running() for server in servers) or (pulsar and not pulsar.running()):
         sys.exit(1)
     if up_count == len(rows):
         sys.exit(0)
@@ -464,9 +558,14 @@ def down(keep_data: bool) -> None:
         broker.stop()
         kfake_state_file().unlink(missing_ok=True)
         click.echo(f"stopped the dev kfake broker at {broker.bootstrap_servers}")
+    pulsar = _load_pulsar()
+    if pulsar is not None:
+        pulsar.stop()
+        pulsar_state_file().unlink(missing_ok=True)
+        click.echo(f"stopped the dev Pulsar broker at {pulsar.service_url}")
     cluster = _load()
     if cluster is None:
-        if broker is None:
+        if broker is None and pulsar is None:
             click.echo("no dev cluster is running")
         return
     where = cluster.bootstrap_servers

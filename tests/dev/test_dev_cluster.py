@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ from dualwrite.dev import (
     LocalKafkaCluster,
     transactional_defaults,
 )
-from dualwrite.dev._util import pid_alive
+from dualwrite.dev._util import dualwrite_home, pid_alive
 from dualwrite.dev.kafka_cluster import docker_env_name
 
 NewTopic = Callable[..., str]
@@ -295,3 +296,40 @@ def test_dev_cli_up_status_down(tmp_path: Path) -> None:
     assert not Path(state["nodes"][0]["directory"]).exists()
     after = _dev(home, "status")
     assert after.returncode == 3
+
+
+def test_dev_cli_pulsar_up_status_down(tmp_path: Path) -> None:
+    """``dev up --flavour pulsar``: a detached standalone with transactions on, reused by a
+    second ``up``, shown by ``status``, stopped by ``down``."""
+    from dualwrite.dev.pulsar_cluster import pulsar_classpath
+    from dualwrite.participant.pulsar import PulsarParticipant, PulsarTxnClient
+
+    pulsar_classpath()  # resolved once into the default home, then copied: no Maven run here
+    home = tmp_path / "home"
+    shutil.copytree(dualwrite_home() / "classpath", home / "classpath")
+    result = _dev(home, "up", "--flavour", "pulsar", "--topic", "dev-orders:2", "--json")
+    assert result.returncode == 0, result.stderr
+    state = json.loads(result.stdout)
+    try:
+        assert (home / "dev" / "pulsar.json").exists()
+        assert state["service_url"].startswith("pulsar://127.0.0.1:")
+        again = _dev(home, "up", "--flavour", "pulsar", "--topic", "dev-orders:2")
+        assert again.returncode == 0, again.stderr
+        assert f"export DUALWRITE_PULSAR_URL={state['service_url']}" in again.stdout
+        status = _dev(home, "status")
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert f"at {state['service_url']} (pid {state['pid']}): up" in status.stdout
+        # A transaction of the outlived broker, on a partition of the topic `up` made.
+        with PulsarTxnClient(state["service_url"], timeout_s=60) as client:
+            assert client.partitions("dev-orders")[-1].endswith("dev-orders-partition-1")
+            participant = PulsarParticipant(client)
+            participant.begin(60_000)
+            prepared = participant.prepare(client.partitions("dev-orders")[0], b"anchor")
+            participant.commit(prepared)
+    finally:
+        down = _dev(home, "down")
+    assert down.returncode == 0, down.stderr
+    assert "stopped the dev Pulsar broker" in down.stdout
+    assert not pid_alive(state["pid"])
+    assert not (home / "dev" / "pulsar.json").exists()
+    assert _dev(home, "status").returncode == 3
