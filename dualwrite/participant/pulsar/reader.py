@@ -170,7 +170,7 @@ class PartitionReader:
             conn.request(pb.BaseCommand(type=pb.BaseCommand.SUBSCRIBE, subscribe=subscribe),
                          rid, deadline, f"SUBSCRIBE to {topic}")
             reader = cls(conn, topic, consumer_id, permits)
-            reader._flow(deadline)
+            reader.flow(deadline)
         except BaseException:
             conn.close()
             raise
@@ -191,7 +191,7 @@ class PartitionReader:
                         continue
                     self._available -= max(1, entry.metadata.num_messages_in_batch)
                     if self._available <= self._permits // 2:
-                        self._flow(deadline)
+                        self.flow(deadline)
                     if entry.metadata.HasField("marker_type"):
                         continue
                     return entry
@@ -226,7 +226,8 @@ class PartitionReader:
         self.closed = True
         self._conn.close()
 
-    def _flow(self, deadline: float) -> None:
+    def flow(self, deadline: float) -> None:
+        """Grant the broker permits up to the reader's window (FLOW)."""
         grant = self._permits - self._available
         self._conn.write_command(pb.BaseCommand(type=pb.BaseCommand.FLOW, flow=pb.CommandFlow(
             consumer_id=self._consumer_id, messagePermits=grant)), deadline,
