@@ -38,6 +38,7 @@ __all__ = [
     "OutcomeUnreadableError",
     "PartitionFencedError",
     "PreparedRowsLostError",
+    "PreparedRowsUnreadableError",
     "ProducerFencedError",
     "RecordTooLargeError",
     "RecoverableError",
@@ -326,6 +327,27 @@ class OutcomeUnreadableError(HeuristicOutcomeError):
         )
         self.transactional_id = transactional_id
         self.state = state
+        self.detail = detail
+
+
+class PreparedRowsUnreadableError(OutcomeUnreadableError):
+    """The database no longer knows whether a decided batch's prepared transaction committed.
+
+    Write-once mode of a batch sink: its ``gid`` is no longer prepared and its transaction id is
+    older than the commit log the database keeps. Nothing is written again automatically.
+    """
+
+    def __init__(self, transactional_id: str, gid: str, detail: str) -> None:
+        HeuristicOutcomeError.__init__(
+            self,
+            f"transactional id {transactional_id!r}: whether the decided batch's prepared "
+            f"database transaction {gid!r} committed can no longer be read from the database "
+            f"({detail}). Check whether its rows are in the table, re-insert only what is "
+            "missing from the topic, then run `dualwrite recover --acknowledge-heuristic` to "
+            "clear the state."
+        )
+        self.transactional_id = transactional_id
+        self.state = gid
         self.detail = detail
 
 

@@ -332,7 +332,7 @@ class BatchCoordinator:
                 future.result()
             except (PreparedRowsLostError, OutcomeUnreadableError) as exc:
                 lost.append(exc)
-            except DualWriteError as exc:
+            except Exception as exc:  # typed by PreparedTransactions; waited for all the same
                 failed.append(exc)
         if failed:
             raise failed[0]

@@ -31,8 +31,8 @@ from dualwrite.database import as_utc, database_error
 from dualwrite.errors import (
     DualWriteError,
     InvalidPreparedStateError,
-    OutcomeUnreadableError,
     PreparedRowsLostError,
+    PreparedRowsUnreadableError,
     RetriableError,
 )
 from dualwrite.participant.outcome import Outcome
@@ -128,20 +128,24 @@ class PreparedTransactions:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._available: bool | None = None
+        self._capacity: int | None = None
 
-    def available(self) -> bool:
-        """Whether the database can prepare transactions: PostgreSQL with
-        ``max_prepared_transactions`` > 0 (asked once)."""
-        if self._available is None:
+    def capacity(self) -> int:
+        """How many transactions the server can hold prepared at once (PostgreSQL's
+        ``max_prepared_transactions``, asked once); 0 where none can be."""
+        if self._capacity is None:
             if self.engine.dialect.name != "postgresql":
-                self._available = False
+                self._capacity = 0
             else:
                 with self._autocommit() as conn:
                     limit = conn.exec_driver_sql(
                         "SELECT current_setting('max_prepared_transactions')").scalar_one()
-                self._available = int(limit) > 0
-        return self._available
+                self._capacity = int(limit)
+        return self._capacity
+
+    def available(self) -> bool:
+        """Whether the database can prepare transactions at all."""
+        return self.capacity() > 0
 
     def list(self, prefix: str = GID_PREFIX) -> list[SinkPrepared]:
         """This database's prepared transactions whose gid starts with ``prefix``, oldest
@@ -160,7 +164,7 @@ class PreparedTransactions:
 
         Returns COMMITTED, or ALREADY_COMMITTED. Raises :class:`PreparedRowsLostError` when it
         was rolled back (a decided participant is only ever committed by dualwrite: someone
-        else rolled it back), :class:`OutcomeUnreadableError` when the database no longer knows
+        else rolled it back), :class:`PreparedRowsUnreadableError` when the database no longer knows
         (the id is older than its commit log), a retriable error when the database is away.
         """
         if self._end(txn.gid, commit=True):
@@ -178,9 +182,12 @@ class PreparedTransactions:
                       txn.gid, txn.xid)
             raise PreparedRowsLostError(transactional_id, txn.gid,
                                         f"transaction {txn.xid} is aborted")
-        raise OutcomeUnreadableError(transactional_id, txn.gid,
-                                     f"the database reports transaction {txn.xid} as {status}; "
-                                     "it is older than the commit log it keeps")
+        if status == "in progress":  # another session is finishing it right now
+            raise RetriableError(f"prepared transaction {txn.gid!r} is being finished by "
+                                 "another session; retry")
+        raise PreparedRowsUnreadableError(
+            transactional_id, txn.gid, f"the database reports transaction {txn.xid} as "
+            f"{status or 'unknown'}: it is older than the commit log it keeps")
 
     def still_prepared(self, txns: Sequence[PreparedDatabaseTxn]) -> set[str]:
         """The gids of ``txns`` still prepared and not being rolled back: listed, and their

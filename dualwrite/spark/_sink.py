@@ -95,7 +95,8 @@ class ExactlyOnceSink:
         self.on_batch: Callable[[int, BatchTimings | None, int], None] | None = None
         """Called after each batch with (batch id, timings or None if skipped, records)."""
 
-    def _start(self) -> BatchCoordinator:
+    def _start(self, df: DataFrame | None = None) -> BatchCoordinator:
+        """The coordinator, made (and its recovery run) on the first batch, ``df``."""
         with self._start_lock:
             if self._coordinator is not None:
                 if self._needs_recovery:
@@ -111,7 +112,8 @@ class ExactlyOnceSink:
                 upgrade_database(engine)
             staging = None
             if self.target_table is not None:
-                self._write_once = self._choose_write_once(engine)
+                self._write_once = self._choose_write_once(
+                    engine, self._tasks(df) if df is not None else self._max_participants or 1)
                 if self._write_once:
                     _, self._table_columns = target_columns(engine, self.target_table,
                                                             self._table_columns)
@@ -143,19 +145,21 @@ class ExactlyOnceSink:
             return None
         return "write-once" if self._write_once else "staging"
 
-    def _choose_write_once(self, engine: Engine) -> bool:
-        """The SQL mode: write-once where the database prepares transactions (or as forced)."""
-        available = PreparedTransactions(engine).available()
-        if self.sql_mode == "write-once" and not available:
+    def _choose_write_once(self, engine: Engine, tasks: int) -> bool:
+        """The SQL mode: write-once where the database can hold a batch's ``tasks``
+        transactions prepared at once (or as forced)."""
+        capacity = PreparedTransactions(engine).capacity()
+        if self.sql_mode == "write-once" and capacity < tasks:
             raise ConfigurationError(
-                f"sink {self.sink_id!r}: sql_mode='write-once' needs prepared transactions "
-                f"(PostgreSQL with max_prepared_transactions > 0); {mask_url(engine.url)} has "
-                "none. Raise max_prepared_transactions (a server restart), or use "
-                "sql_mode='staging'")
-        write_once = available and self.sql_mode != "staging"
+                f"sink {self.sink_id!r}: sql_mode='write-once' needs a prepared transaction per "
+                f"task, {tasks} at once; {mask_url(engine.url)} has "
+                f"max_prepared_transactions = {capacity}. Raise it (a server restart), lower "
+                "max_participants, or use sql_mode='staging'")
+        write_once = capacity >= tasks and self.sql_mode != "staging"
         why = ("prepared transactions" if write_once else
-               "forced" if self.sql_mode == "staging" else "the database cannot prepare "
-               "transactions")
+               "forced" if self.sql_mode == "staging" else
+               f"the database holds {capacity} prepared transactions at most, fewer than the "
+               f"{tasks} tasks of a batch")
         log.info("sink=%s writes table %s in %s mode (%s)", self.sink_id, self.target_table,
                  "write-once" if write_once else "staging", why)
         return write_once
@@ -170,12 +174,16 @@ class ExactlyOnceSink:
         return df.select(key.alias(KEY), value.alias(VALUE), *table)
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
-        coordinator = self._start()
+        coordinator = self._start(df)
         try:
             self._write(coordinator, df, batch_id)
         except BaseException:
             self._needs_recovery = True  # the next call recovers first (a restarted query)
             raise
+
+    def _tasks(self, df: DataFrame) -> int:
+        """The most tasks (participants) a batch has: ``max_participants``, or one per core."""
+        return self._max_participants or df.sparkSession.sparkContext.defaultParallelism
 
     def _write(self, coordinator: BatchCoordinator, df: DataFrame, batch_id: int) -> None:
         """Write one batch; re-run its tasks only while it is certainly not decided."""
@@ -192,8 +200,7 @@ class ExactlyOnceSink:
                         self.database_url if self.target_table else None, self.target_table,
                         self._table_columns or (), self._timeout_s, self._write_once)
         prepared = self._prepare(df)
-        cap = self._max_participants or df.sparkSession.sparkContext.defaultParallelism
-        prepared = prepared.coalesce(cap)  # no-op when the batch has fewer partitions
+        prepared = prepared.coalesce(self._tasks(df))  # no-op when the batch has fewer partitions
         for attempt in range(1, self._batch_attempts + 1):
             rows = prepared.mapInArrow(functools.partial(write_partition, plan),
                                        RESULT_SCHEMA).collect()

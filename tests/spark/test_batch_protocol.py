@@ -13,6 +13,8 @@ import pytest
 import sqlalchemy as sa
 
 from dualwrite.batch.decision_log import DecisionLog
+from dualwrite.batch.prepared_writes import PreparedTransactions
+from dualwrite.errors import ConfigurationError
 from dualwrite.participant.control_plane import ControlPlane
 from tests.support.batch import encoded, open_in_pool, prepare
 from tests.support.kafka import read_committed, unique
@@ -106,3 +108,22 @@ def test_close_keeps_the_participants_of_a_batch_in_doubt(
             restarted.close()
         assert read_committed(bootstrap, topic) == encoded("b5-p0", "b5-p1")
         assert open_in_pool(cp, sink_id) == []
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_write_once_needs_a_prepared_transaction_per_task(engine: sa.Engine, db_url: str) -> None:
+    """Fewer prepared-transaction slots than a batch's tasks: auto writes through staging,
+    a forced write-once refuses to start (its ninth PREPARE would fail every batch)."""
+    capacity = PreparedTransactions(engine).capacity()
+    assert capacity > 0
+    kconf = {"bootstrap.servers": "127.0.0.1:9"}  # never contacted here
+    auto = ExactlyOnceSink(sink_id=unique("sink"), kafka_config=kconf, topic="t",
+                           database_url=db_url, target_table="t", migrate=False)
+    assert auto._choose_write_once(engine, capacity) is True
+    assert auto._choose_write_once(engine, capacity + 1) is False
+    forced = ExactlyOnceSink(sink_id=unique("sink"), kafka_config=kconf, topic="t",
+                             database_url=db_url, target_table="t", migrate=False,
+                             sql_mode="write-once")
+    assert forced._choose_write_once(engine, capacity) is True
+    with pytest.raises(ConfigurationError, match=f"max_prepared_transactions = {capacity}\\."):
+        forced._choose_write_once(engine, capacity + 1)

@@ -67,7 +67,8 @@ def test_kafka_only_mode(pipeline: Pipeline) -> None:
 @pytest.mark.parametrize("backend, point", [
     *(("postgresql", point) for point in ("prepared", "decided", "committed-one")),
     pytest.param("postgresql", "completed", marks=pytest.mark.spark_full),
-    ("mariadb", "decided"),  # the decided batch's staged rows applied once on MariaDB too
+    # The decided batch's staged rows applied once on MariaDB too.
+    pytest.param("mariadb", "decided", marks=pytest.mark.mariadb_full),
 ], indirect=["backend"])
 def test_driver_killed_then_restarted(pipeline: Pipeline, point: str) -> None:
     """SIGKILL after the tasks prepared, after the decision, between two participant commits,

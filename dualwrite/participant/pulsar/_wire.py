@@ -219,13 +219,16 @@ class Connection:
         ``token``; through a proxy to ``proxy_to_broker_url`` if given)."""
         address = f"{host}:{port}"
         what = f"connect to pulsar://{address}"
+        sock: socket.socket | None = None
         try:
             sock = socket.create_connection((host, port), timeout=remaining(deadline, what))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except PulsarError:
             raise
         except OSError as e:
+            if sock is not None:
+                sock.close()
             raise PulsarConnectionError(f"{what}: {e.strerror or type(e).__name__}") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = cls(sock, address)
         try:
             conn.handshake(deadline, token, proxy_to_broker_url)

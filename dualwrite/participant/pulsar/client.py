@@ -118,6 +118,8 @@ class PulsarTxnClient:
     def new_txn(self, timeout_ms: int) -> TxnId:
         """Open a transaction that the coordinator aborts ``timeout_ms`` after opening unless
         it is ended first."""
+        if not 0 < timeout_ms < 2**63:
+            raise PulsarFatalError(f"a transaction timeout of {timeout_ms} ms is out of range")
         deadline = self._deadline()
         tc_id = next(self._tc_next) % self._coordinators(deadline)
         conn = self._tc_connection(tc_id, deadline)

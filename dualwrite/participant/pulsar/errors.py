@@ -17,6 +17,7 @@ from dualwrite.errors import (
     HeuristicAbortError,
     HeuristicCommitError,
     OutcomeUnknownError,
+    OutcomeUnreadableError,
     ProducerFencedError,
     RetriableError,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "PulsarHeuristicAbortError",
     "PulsarHeuristicCommitError",
     "PulsarOutcomeUnknownError",
+    "PulsarOutcomeUnreadableError",
     "PulsarProducerFencedError",
     "PulsarProtocolError",
     "PulsarRetriableError",
@@ -120,33 +122,47 @@ class PulsarTxnStillOpenError(PulsarRetriableError):
     holds dispatch at an open transaction (this one, ending, or an earlier one there): retry."""
 
 
-class PulsarHeuristicAbortError(HeuristicAbortError, PulsarError):
-    """Commit was decided, but Pulsar aborted the transaction (e.g. its timeout passed before
-    the commit came): its messages are lost. ``transactional_id`` is the TxnID, ``state`` the
-    prepared state string."""
+class _PulsarVerdict(PulsarError):
+    """A heuristic outcome of one Pulsar transaction: ``transactional_id`` is its TxnID,
+    ``state`` its prepared state string, ``detail`` what showed it. Subclasses give the words."""
+
+    _words = ""
 
     def __init__(self, txn: str, state: str, detail: str) -> None:
-        PulsarError.__init__(
-            self, f"Pulsar transaction {txn}: commit was decided (prepared state {state!r}) but "
-            f"Pulsar aborted the transaction ({detail}); its messages are lost. Re-publish them "
-            "from the database rows of that transaction.")
+        # Not the cooperative chain: the heuristic classes' own __init__ words Kafka's case.
+        DualWriteError.__init__(self, f"Pulsar transaction {txn}: " + self._words.format(
+            state=state, detail=detail))
+        self.code, self.code_name = None, None
         self.transactional_id = txn
         self.state = state
         self.detail = detail
 
 
-class PulsarHeuristicCommitError(HeuristicCommitError, PulsarError):
+class PulsarHeuristicAbortError(_PulsarVerdict, HeuristicAbortError):
+    """Commit was decided, but Pulsar aborted the transaction (e.g. its timeout passed before
+    the commit came): its messages are lost."""
+
+    _words = ("commit was decided (prepared state {state!r}) but Pulsar aborted the "
+              "transaction ({detail}); its messages are lost. Re-publish them from the database "
+              "rows of that transaction.")
+
+
+class PulsarHeuristicCommitError(_PulsarVerdict, HeuristicCommitError):
     """Abort was decided, but Pulsar had committed the transaction: its messages are visible
     without a decision covering them; compensate."""
 
-    def __init__(self, txn: str, state: str, detail: str) -> None:
-        PulsarError.__init__(
-            self, f"Pulsar transaction {txn}: abort was decided (prepared state {state!r}) but "
-            f"Pulsar committed the transaction ({detail}); its messages are visible. "
-            "Compensate for them.")
-        self.transactional_id = txn
-        self.state = state
-        self.detail = detail
+    _words = ("abort was decided (prepared state {state!r}) but Pulsar committed the "
+              "transaction ({detail}); its messages are visible. Compensate for them.")
+
+
+class PulsarOutcomeUnreadableError(_PulsarVerdict, OutcomeUnreadableError):
+    """Commit was decided, the coordinator no longer knows the transaction, and its anchor's
+    ledger is no longer stored: whether it committed cannot be read. Nothing is re-published
+    automatically; an operator checks the topic."""
+
+    _words = ("whether it committed can no longer be read (prepared state {state!r}; "
+              "{detail}). Check whether its messages reached the topic and re-publish only what "
+              "is missing.")
 
 
 _R, _F, _A, _T = PulsarRetriableError, PulsarFatalError, PulsarAuthError, PulsarTopicError

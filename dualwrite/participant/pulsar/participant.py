@@ -7,7 +7,8 @@ to a partition): it sends a non-transactional probe there and reads from the anc
 broker dispatches committed transactional messages, never aborted ones, and holds every later
 message while a transaction on the partition is open (docs/broker-facts.md, "Pulsar
 transactions (measured)"). So: anchor read → committed; probe read without the anchor →
-aborted; nothing before the deadline → still open.
+aborted, if the anchor's ledger is provably still stored (else unreadable); nothing before the
+deadline → still open.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dualwrite.participant.pulsar.errors import (
     PulsarHeuristicAbortError,
     PulsarHeuristicCommitError,
     PulsarOutcomeUnknownError,
+    PulsarOutcomeUnreadableError,
     PulsarProtocolError,
     PulsarTimeoutError,
     PulsarTxnStillOpenError,
@@ -54,6 +56,9 @@ class PulsarTxnOutcome(enum.Enum):
     ABORTED = "aborted"
     OPEN = "open"
     """Dispatch is held at an open transaction: this one, or an earlier one on the partition."""
+    UNREADABLE = "unreadable"
+    """The probe came without the anchor, and nothing shows the anchor's ledger is still stored
+    (retention or a truncate may have deleted it): committed and aborted look the same."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,7 @@ def txn_outcome(client: PulsarTxnClient, prepared: PulsarPreparedTxn,
     anchor on; waits at most ``wait_s`` for the probe to be dispatched (OPEN otherwise).
     """
     anchor = (prepared.anchor.ledger_id, prepared.anchor.entry_id)
+    ledger = anchor[0]
     started = time.monotonic()
     probe_ids = client.send(prepared.anchor_topic,
                             [f"dualwrite-probe {prepared.txn} {uuid.uuid4().hex}".encode()],
@@ -131,10 +137,15 @@ def txn_outcome(client: PulsarTxnClient, prepared: PulsarPreparedTxn,
                                   f"not after the anchor {anchor} on {prepared.anchor_topic}")
     deadline = time.monotonic() + wait_s
     result = PulsarTxnOutcome.OPEN
+    # Ledgers are deleted whole and never the current one: an entry read from the anchor's
+    # ledger, or the probe stored in it, proves the anchor is still stored, so that a probe
+    # read without it means the broker filtered it out (aborted).
+    ledger_stored = probe[0] == ledger
     with client.reader(prepared.anchor_topic, prepared.anchor) as reader:
         try:
             while True:
                 entry = reader.receive(deadline)
+                ledger_stored = ledger_stored or entry.position[0] == ledger
                 if entry.position == anchor:
                     if entry.txn != prepared.txn:
                         raise PulsarFatalError(
@@ -144,7 +155,8 @@ def txn_outcome(client: PulsarTxnClient, prepared: PulsarPreparedTxn,
                     result = PulsarTxnOutcome.COMMITTED
                     break
                 if entry.position >= probe:
-                    result = PulsarTxnOutcome.ABORTED
+                    result = (PulsarTxnOutcome.ABORTED if ledger_stored
+                              else PulsarTxnOutcome.UNREADABLE)
                     break
         except PulsarTimeoutError:
             if time.monotonic() < deadline:
@@ -236,6 +248,18 @@ class PulsarParticipant:
             if outcome is wanted:
                 log.info("pulsar transaction %s: already %s", txn, outcome.value)
                 return
+            if outcome is PulsarTxnOutcome.UNREADABLE:
+                if not commit:
+                    # Only a commit decision commits a prepared transaction: nothing but an
+                    # outside commit can have made this one visible.
+                    log.warning("pulsar transaction %s: abort could not be confirmed from the "
+                                "anchor (its ledger is no longer stored); taken as aborted", txn)
+                    return
+                log.error("pulsar transaction %s: outcome unreadable (anchor %s)", txn, prepared)
+                raise PulsarOutcomeUnreadableError(
+                    str(txn), str(prepared), f"commit answered {type(e).__name__}; the anchor's "
+                    f"ledger {prepared.anchor.ledger_id} on {prepared.anchor_topic} is no longer "
+                    "stored") from None
             if outcome is PulsarTxnOutcome.OPEN:
                 raise PulsarTxnStillOpenError(
                     f"{action} of Pulsar transaction {txn}: the coordinator answered "

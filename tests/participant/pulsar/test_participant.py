@@ -20,12 +20,18 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from dualwrite.errors import HeuristicAbortError, HeuristicCommitError, InvalidPreparedStateError
+from dualwrite.errors import (
+    HeuristicAbortError,
+    HeuristicCommitError,
+    InvalidPreparedStateError,
+    OutcomeUnreadableError,
+)
 from dualwrite.participant.pulsar import (
     MessageId,
     PulsarError,
     PulsarHeuristicAbortError,
     PulsarHeuristicCommitError,
+    PulsarOutcomeUnreadableError,
     PulsarParticipant,
     PulsarPreparedTxn,
     PulsarTimeoutError,
@@ -225,3 +231,36 @@ def test_open_transaction_reads_open_until_ended(client: PulsarTxnClient) -> Non
     assert time.monotonic() - started >= 1.5
     participant.abort(prepared)
     assert participant.outcome(prepared) is PulsarTxnOutcome.ABORTED
+
+
+def _admin(broker: LocalPulsar, method: str, path: str) -> None:
+    """An admin call that must succeed; a 500 right after the topic moved is asked again (seen:
+    truncate answering "Cursor was already closed" while the topic reloads)."""
+    for _ in range(20):
+        code, answer = broker.admin_request(method, path)
+        if code != 500:
+            break
+        time.sleep(0.5)
+    assert code == 204, answer
+
+
+@needs_broker
+def test_an_anchor_whose_ledger_was_deleted_is_unreadable_not_aborted(
+        pulsar_broker: LocalPulsar, client: PulsarTxnClient) -> None:
+    """A committed transaction, then its anchor's ledger rolled over (topic unloaded) and
+    deleted (truncate, as retention would): the probe comes alone, as after an abort, but
+    nothing proves the anchor is still stored. Commit must not call it aborted (its advice,
+    re-publish, would duplicate the messages); abort takes it as done."""
+    participant = PulsarParticipant(client, outcome_wait_s=3.0)
+    prepared, _, _ = _prepared(participant)
+    participant.commit(prepared)
+    path = prepared.anchor_topic.removeprefix("persistent://")
+    _admin(pulsar_broker, "PUT", f"/admin/v2/persistent/{path}/unload")
+    client.send(prepared.anchor_topic, [b"in the next ledger"], None)
+    _admin(pulsar_broker, "DELETE", f"/admin/v2/persistent/{path}/truncate")
+    assert participant.outcome(prepared) is PulsarTxnOutcome.UNREADABLE
+    with pytest.raises(PulsarOutcomeUnreadableError) as info:
+        participant.commit(prepared)
+    assert isinstance(info.value, OutcomeUnreadableError)
+    assert str(prepared.txn) in str(info.value)
+    participant.abort(prepared)
