@@ -383,21 +383,6 @@ def _create_pulsar_topic(broker: LocalPulsar, name: str, partitions: int) -> Non
         raise DevClusterError(f"Pulsar did not create topic {name!r}: HTTP {code} {answer}")
 
 
-def _pulsar_status(broker: LocalPulsar, as_json: bool) -> NoReturn:
-    """``dev status`` for a ``dev up --flavour pulsar`` broker (and its database server)."""
-    up = broker.running()
-    servers = _load_databases()
-    if as_json:
-        state = broker.to_state()
-        state["running"] = up
-        click.echo(json.dumps(state, indent=2))
-    else:
-        click.echo(f"Pulsar {broker.version} (standalone) at {broker.service_url} "
-                   f"(pid {broker.pid}): {'up' if up else 'DOWN'}")
-        _echo_database_servers(servers)
-    sys.exit(0 if up and all(server.running() for server in servers) else 1)
-
-
 def _echo_json(cluster: LocalKafkaCluster, topics: list[tuple[str, int]],
                server: DatabaseServer | None) -> None:
     state = _json_state(cluster)
@@ -481,10 +466,12 @@ def status(as_json: bool) -> None:
     if cluster is None:
         broker = _load_kfake()
         if broker is not None:
-            _kfake_status(broker, as_json)
+            _broker_status(broker, f"kfake {kfake_version()} (1 broker) at "
+                           f"{broker.bootstrap_servers}", as_json)
         pulsar = _load_pulsar()
         if pulsar is not None:
-            _pulsar_status(pulsar, as_json)
+            _broker_status(pulsar, f"Pulsar {pulsar.version} (standalone) at "
+                           f"{pulsar.service_url}", as_json)
         if as_json:
             click.echo(json.dumps({"running": False, "nodes": []}))
         else:
@@ -520,8 +507,9 @@ def status(as_json: bool) -> None:
     sys.exit(1 if up_count else 3)
 
 
-def _kfake_status(broker: LocalKfake, as_json: bool) -> NoReturn:
-    """``dev status`` for a ``dev up --flavour kfake`` broker (and its database server)."""
+def _broker_status(broker: LocalKfake | LocalPulsar, where: str, as_json: bool) -> NoReturn:
+    """``dev status`` for a ``dev up --flavour kfake|pulsar`` broker (``where`` names it) and
+    its database server."""
     up = broker.running()
     servers = _load_databases()
     if as_json:
@@ -529,8 +517,7 @@ def _kfake_status(broker: LocalKfake, as_json: bool) -> NoReturn:
         state["running"] = up
         click.echo(json.dumps(state, indent=2))
     else:
-        click.echo(f"kfake {kfake_version()} (1 broker) at {broker.bootstrap_servers} "
-                   f"(pid {broker.pid}): {'up' if up else 'DOWN'}")
+        click.echo(f"{where} (pid {broker.pid}): {'up' if up else 'DOWN'}")
         _echo_database_servers(servers)
     sys.exit(0 if up and all(server.running() for server in servers) else 1)
 
