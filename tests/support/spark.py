@@ -31,7 +31,7 @@ from dualwrite.batch.decision_log import DecisionLog
 from dualwrite.batch.prepared_writes import PreparedTransactions, gid_prefix
 from dualwrite.participant.control_plane import ControlPlane, TxnState
 from tests.support.kafka import read_committed
-from tests.support.workers import SPARK_WORKER
+from tests.support.workers import SPARK_WORKER, worker_env
 
 FILES = 5
 EVENTS_PER_FILE = 120
@@ -151,7 +151,7 @@ class Pipeline:
         return cmd + extra
 
     def start(self, faults: str, extra: list[str]) -> subprocess.Popen[str]:
-        env = {**os.environ, "DUALWRITE_SPARK_FAULTS": faults, "PYTHONUNBUFFERED": "1"}
+        env = {**worker_env(), "DUALWRITE_SPARK_FAULTS": faults}
         return subprocess.Popen(self.command(extra), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=env,
                                 start_new_session=True, cwd=self.checkpoint.parent)

@@ -21,81 +21,19 @@ one, so the run goes on and every such escape is counted. SIGTERM ends the loop 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
-from typing import IO, Any
 
 import sqlalchemy as sa
 
-from dualwrite import (
-    DualWriteError,
-    DualWriter,
-    FatalError,
-    HeuristicOutcomeError,
-    RecoverableError,
-    RetriableError,
-    create_engine,
-)
+from dualwrite import DualWriter, create_engine
+from tests.support.journal import Journal
 
 ROWS = sa.table("fault_rows", sa.column("id", sa.String), sa.column("worker", sa.String))
-
-
-def family(exc: BaseException) -> str:
-    """What kind of error reached the application, by what it should do about it."""
-    if isinstance(exc, RetriableError):
-        return "retriable"
-    if isinstance(exc, RecoverableError):
-        return "recoverable"
-    if isinstance(exc, HeuristicOutcomeError):
-        return "heuristic"
-    if isinstance(exc, FatalError):
-        return "fatal"
-    if isinstance(exc, DualWriteError):
-        return "dualwrite"
-    return "foreign"
-
-
-def causes(exc: BaseException) -> list[str]:
-    """Qualified class names of the exception and what it was chained from."""
-    out: list[str] = []
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen and len(out) < 8:
-        seen.add(id(current))
-        out.append(f"{type(current).__module__}.{type(current).__qualname__}")
-        current = current.__cause__ or current.__context__
-    return out
-
-
-class Journal:
-    """Append-only JSON lines, each flushed to the OS before the call returns."""
-
-    def __init__(self, path: str) -> None:
-        self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long
-        self._lock = threading.Lock()
-
-    def write(self, event: str, **fields: Any) -> None:
-        line = json.dumps({"e": event, "t": time.time(), **fields})
-        with self._lock:
-            self._file.write(line + "\n")
-            self._file.flush()
-
-    def error(self, exc: BaseException, phase: str, **fields: Any) -> str:
-        kind = family(exc)
-        self.write(
-            "error", phase=phase, type=type(exc).__name__, family=kind,
-            msg=str(exc)[:600], causes=causes(exc),
-            stack="".join(traceback.format_exception(exc))[-6000:], **fields)
-        return kind
-
-    def close(self) -> None:
-        self._file.close()
 
 
 class Worker:

@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tests.support.journal import family
+
 
 def main() -> int:
     parser = argparse.ArgumentParser()
@@ -123,24 +125,6 @@ def main() -> int:
     spark.stop()
     print("DONE", flush=True)
     return 0
-
-
-def family(exc: BaseException) -> str:
-    """What the application should do about ``exc`` (``foreign``: not a dualwrite error)."""
-    from dualwrite.errors import (
-        DualWriteError,
-        FatalError,
-        HeuristicOutcomeError,
-        RecoverableError,
-        RetriableError,
-    )
-
-    for kind, name in ((RetriableError, "retriable"), (RecoverableError, "recoverable"),
-                       (HeuristicOutcomeError, "heuristic"), (FatalError, "fatal"),
-                       (DualWriteError, "dualwrite")):
-        if isinstance(exc, kind):
-            return name
-    return "foreign"
 
 
 def follow(start: Callable[[], Any], failures: list[BaseException], stop_file: str,
