@@ -18,6 +18,7 @@ from dataclasses import dataclass
 __all__ = [
     "BatchHeuristicAbortError",
     "BatchInDoubtError",
+    "BatchTasksFailedError",
     "BlockCommittedError",
     "BrokerUnreachableError",
     "ConfigurationError",
@@ -102,6 +103,16 @@ class PartitionFencedError(RetriableError):
     partition of the batch now (a rebalance moved it). Nothing of the batch committed (rows,
     records and positions rolled back together); the new owner consumes from the decided
     position."""
+
+
+class BatchTasksFailedError(RetriableError):
+    """A batch sink's tasks failed on their executors (Spark gave up on one of them) before the
+    batch was decided: nothing of it is visible, and running the batch again (a restarted
+    query does) writes it. ``task_error`` names what the failed task raised."""
+
+    def __init__(self, message: str, task_error: str) -> None:
+        super().__init__(message)
+        self.task_error = task_error
 
 
 class ProducerFencedError(FatalError):

@@ -253,12 +253,17 @@ class BatchCoordinator:
                 or not self._completion.names_open_transaction(desc, state, found)]
         txns = {p.database_txn: p.transactional_id for p in participants
                 if p.database_txn is not None}
+        rows_lost = []
         if txns:
             prepared = self._prepared.still_prepared(list(txns))
-            lost += [tid for txn, tid in txns.items() if txn.gid not in prepared]
-        if lost:
+            rows_lost = [tid for txn, tid in txns.items() if txn.gid not in prepared]
+        if lost or rows_lost:
+            what = " and ".join(
+                f"the {kind} of participants {tids}" for kind, tids in (
+                    ("Kafka transactions", lost), ("prepared database transactions", rows_lost))
+                if tids)
             raise RetriableError(
-                f"sink {self.sink_id!r}: participants {lost} are no longer open as prepared "
+                f"sink {self.sink_id!r}: {what} are no longer open as prepared "
                 "(re-initialised or rolled back by a late task attempt, or timed out); the "
                 "batch was not decided and will be written again")
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -12,12 +14,19 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from sqlalchemy import Engine
 
+from dualwrite import errors
 from dualwrite.batch.coordinator import BatchCoordinator, BatchTimings, SinkRecovery
 from dualwrite.batch.decision_log import Participant, StagingTable, check_sink_id
 from dualwrite.batch.prepared_writes import PreparedDatabaseTxn, PreparedTransactions
 from dualwrite.batch.target import target_columns
 from dualwrite.database import create_engine, mask_url, upgrade_database
-from dualwrite.errors import ConfigurationError, DualWriteError, RetriableError
+from dualwrite.errors import (
+    BatchTasksFailedError,
+    ConfigurationError,
+    DualWriteError,
+    FatalError,
+    RetriableError,
+)
 from dualwrite.participant.control_plane import ControlPlane
 from dualwrite.participant.prepared_state import PreparedTxnState
 from dualwrite.spark._task import KEY, RESULT_SCHEMA, VALUE, TaskPlan, write_partition
@@ -202,8 +211,11 @@ class ExactlyOnceSink:
         prepared = self._prepare(df)
         prepared = prepared.coalesce(self._tasks(df))  # no-op when the batch has fewer partitions
         for attempt in range(1, self._batch_attempts + 1):
-            rows = prepared.mapInArrow(functools.partial(write_partition, plan),
-                                       RESULT_SCHEMA).collect()
+            try:
+                rows = prepared.mapInArrow(functools.partial(write_partition, plan),
+                                           RESULT_SCHEMA).collect()
+            except Exception as exc:  # Spark's own exception, whatever the task raised
+                raise tasks_failed(exc, self.sink_id, batch_id, self.topic) from exc
             participants = [Participant(r.partition_id, r.transactional_id,
                                         PreparedTxnState.parse(r.state), r.records,
                                         r.attempt_key,
@@ -245,3 +257,33 @@ class ExactlyOnceSink:
         if self._control_plane is not None:
             self._control_plane.close()
             self._control_plane = None
+
+
+_TASK_ERROR = re.compile(r"^dualwrite\.errors\.(\w+): (.*)$", re.M)
+
+
+def tasks_failed(exc: Exception, sink_id: str, batch_id: int, topic: str) -> DualWriteError:
+    """The typed error for a batch whose tasks failed: Spark reports a failed task as its own
+    exception (``PythonException``, ``Py4JJavaError``) carrying the task's traceback as text.
+    A task's :class:`FatalError` (a bad record, a missing permission) stays that class, as
+    running the batch again would fail the same way; anything else is
+    :class:`BatchTasksFailedError`: nothing was decided, a rerun writes the batch."""
+    named = _TASK_ERROR.findall(str(exc))
+    if named:
+        name, message = named[-1]
+        kind = getattr(errors, name, None)
+        if isinstance(kind, type) and issubclass(kind, FatalError):
+            text = f"sink {sink_id} batch {batch_id}: a task failed: {message}"
+            # A message, or (like UnknownTopicError's) the topic and a message.
+            for args in ((text,), (topic, text)):
+                with contextlib.suppress(TypeError):
+                    return kind(*args)
+            return FatalError(f"{text} ({name})")
+        cause = f"{name}: {message}"
+    else:
+        lines = str(exc).strip().splitlines()
+        cause = f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500]
+    return BatchTasksFailedError(
+        f"sink {sink_id} batch {batch_id}: its tasks failed before the batch was decided "
+        f"({cause}); nothing of it is visible, and running the batch again writes it",
+        task_error=cause)

@@ -272,3 +272,22 @@ def test_missing_topic_fails_the_batch_typed_without_retries(pipeline: Pipeline)
         assert not log.has_tables() or log.read_all([missing.sink_id]) == []
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_a_task_failing_every_attempt_fails_the_batch_typed(pipeline: Pipeline,
+                                                            tmp_path: Path) -> None:
+    """Spark reports a failed task as its own exception (PythonException); the application
+    gets BatchTasksFailedError (retriable: nothing was decided) instead, and the next run
+    writes the batch once."""
+    stop = tmp_path / "stop"
+    stop.touch()  # --follow: write what is there, then stop
+    result = pipeline.run("--master", "local[2]", "--follow", str(stop), "--max-restarts", "1",
+                          faults="fail:2:0:1", expect_ok=False)
+    assert result.returncode != 0
+    assert "injected failure of partition 2" in result.stderr
+    assert re.search(r"^RESTART dualwrite\.errors\.BatchTasksFailedError retriable",
+                     result.stdout, re.M), result.stdout + result.stderr[-4000:]
+    assert "FOREIGN" not in result.stdout
+    pipeline.run()
+    pipeline.assert_exactly_once()
