@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy import Engine
 
+from dualwrite.database.engine import database_error
 from dualwrite.errors import FatalError
 
 if TYPE_CHECKING:
@@ -27,7 +28,9 @@ def target_columns(engine: Engine, target: str, columns: Sequence[str] | None
                    ) -> tuple[sa.Table, tuple[str, ...]]:
     """The reflected target table and the columns the sink writes (default: all of them).
 
-    Raises :class:`FatalError` for a missing table or a column it does not have.
+    Raises :class:`FatalError` for a missing table or a column it does not have, and the
+    :func:`~dualwrite.database.database_error` of a failed reflection (a lost connection:
+    :class:`DatabaseUnreachableError`).
     """
     try:
         table = sa.Table(target, sa.MetaData(), autoload_with=engine)
@@ -35,6 +38,8 @@ def target_columns(engine: Engine, target: str, columns: Sequence[str] | None
         raise FatalError(f"the target table {target!r} does not exist in "
                          f"{engine.url.render_as_string(hide_password=True)}; create it "
                          "first") from exc
+    except sa.exc.SQLAlchemyError as exc:
+        raise database_error(exc, engine.url, table=target) from exc
     names = list(columns) if columns is not None else [c.name for c in table.columns]
     unknown = [c for c in names if c not in table.columns]
     if unknown or not names:
