@@ -5,6 +5,7 @@
 #   ./run.sh test         the test suite (real Kafka 4.3.1 and 3.9.x, real PostgreSQL, SQLite)
 #   ./run.sh lint         ruff over the repository, mypy --strict over what ships or is documented
 #   ./run.sh bench        benchmarks (bench/)
+#   ./run.sh soak         every role at once under 200 mixed faults, checked by Kafka's tools
 # Extra arguments go to the underlying command (e.g. ./run.sh test -k crash, ./run.sh test --soak,
 # ./run.sh test -m unit: only the tests that need no server).
 # DUALWRITE_VENV: the virtualenv (default .venv); DUALWRITE_SKIP_INSTALL=1: use it as it is.
@@ -72,6 +73,9 @@ case "$cmd" in
         # One run per folder: spark/ and examples/ both have a demo.py.
         for scripts in spark bench examples; do "$VENV/bin/mypy" --strict "$scripts"; done
         exec "$VENV/bin/mypy" --strict --explicit-package-bases tests ;;
+    soak)
+        install_system_packages; install_python
+        exec "$VENV/bin/python" -m tests.soak "$@" ;;
     bench)
         install_system_packages; install_python
         if [ "${1:-}" = spark ]; then

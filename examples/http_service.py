@@ -83,11 +83,13 @@ def async_url(db_url: str) -> sa.URL:
 
 
 def make_app(db_url: str, bootstrap: str, topic: str, size: int = 8,
-             id_prefix: str = "http-orders", url: str | None = None) -> Starlette:
-    """The app; ``url``, the address it serves, is printed with the pool's ids at start."""
+             id_prefix: str = "http-orders", url: str | None = None,
+             hooks: dw.PhaseHooks | None = None) -> Starlette:
+    """The app; ``url``, the address it serves, is printed with the pool's ids at start;
+    ``hooks`` go to the pool's writers (tests kill the process at a phase with them)."""
     engine = create_async_engine(async_url(db_url))  # the service's own async engine
     pool = dw.AsyncDualWriterPool(engine, {"bootstrap.servers": bootstrap}, id_prefix=id_prefix,
-                                  size=size)
+                                  size=size, hooks=hooks)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
@@ -118,7 +120,8 @@ def make_app(db_url: str, bootstrap: str, topic: str, size: int = 8,
         except sa.exc.IntegrityError:
             return JSONResponse({"error": "order exists"}, status_code=409)
         except dw.RetriableError as exc:
-            return JSONResponse({"error": str(exc)}, status_code=503)
+            return JSONResponse({"error": str(exc), "type": type(exc).__name__},
+                                status_code=503)
         return JSONResponse({"order_id": order_id}, status_code=201)
 
     async def health(_request: Request) -> Response:

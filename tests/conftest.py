@@ -56,6 +56,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
              "(tests/spark/test_sink.py); CI runs a subset",
     )
     parser.addoption(
+        "--faults-full", action="store_true", default=False,
+        help="also run the fault suite's short form and the Spark sink's broker faults on their "
+             "own; CI runs the soak (tests/soak), which injects every kind of both together",
+    )
+    parser.addoption(
         "--pulsar-full", action="store_true", default=False,
         help="also pin Pulsar's transaction behaviour with its own Java client "
              "(tests/participant/test_pulsar_facts.py); CI runs our client's tier only",
@@ -68,6 +73,7 @@ FULL_TIERS = {
     "compat_full": ("--compat-full", "compatibility tier, full form"),
     "pulsar_full": ("--pulsar-full", "Pulsar facts via the Java client"),
     "spark_full": ("--spark-full", "Spark crash points beyond CI's subset"),
+    "faults_full": ("--faults-full", "a fault suite the soak's CI form covers"),
 }
 
 

@@ -171,9 +171,11 @@ SCENARIOS = [
         "developing",
         ("./run.sh test         #",),
         # .ci/run is these two commands (test_ci_runs_the_readme_test_command).
+        # tests/soak/test_soak.py runs the soak's quick form (three minutes) through run.sh.
         edits=(("./run.sh test         #", ": ./run.sh test         #"),
                ("./run.sh test -m unit #", ": ./run.sh test -m unit #"),
-               ("./run.sh lint         #", ": ./run.sh lint         #")),
+               ("./run.sh lint         #", ": ./run.sh lint         #"),
+               ("./run.sh soak         #", ": ./run.sh soak         #")),
         expect=(),
     ),
     Scenario(

@@ -21,7 +21,8 @@ After the run: ``dualwrite.recover``, then the invariant (read_committed records
 rows, no duplicate, nothing a worker saw commit lost, nothing left open at any coordinator) and
 the rule that only ``RetriableError`` reaches the application. The metrics are printed.
 
-The default test runs a short schedule (every kind of fault); ``pytest --faults N`` runs a long
+``pytest --faults-full`` runs a short schedule (every kind of fault; CI runs the soak instead,
+``tests/soak``, which injects every kind of these with its roles); ``pytest --faults N`` runs a long
 one of N mixed faults and reports RSS, threads and open fds of a worker that lives through it.
 ``DUALWRITE_FAULT_SEED`` replays a schedule; ``DUALWRITE_FAULT_DIR`` keeps the workers' journals
 (one JSON line per commit or error, with its stack) and ``errors.txt`` (one stack per error type).
@@ -161,6 +162,7 @@ def _seed() -> int:
     return int(os.environ.get("DUALWRITE_FAULT_SEED") or random.randrange(1 << 30))
 
 
+@pytest.mark.faults_full
 @pytest.mark.timeout(480)
 def test_fault_suite_short(fault_cluster: LocalKafkaCluster, fault_pg: LocalPostgres,
                            kafka_proxies: list[TcpProxy], pg_proxy: TcpProxy,

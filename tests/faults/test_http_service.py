@@ -8,11 +8,9 @@ fields missing, unknown or of the wrong type) get a 400 with a JSON error and wr
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,26 +26,12 @@ import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
 
 import dualwrite
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, example
+from tests.support.daemon import free_port
 from tests.support.kafka import read_committed
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.parametrize("backend", ["postgresql"],
                                                                  indirect=True)]
-
-
-def _load_module() -> Any:
-    spec = importlib.util.spec_from_file_location("example_load",
-                                                  REPO_ROOT / "examples" / "load.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _serve(db_url: str, bootstrap: str, topic: str, port: int,
@@ -70,8 +54,8 @@ def _serve(db_url: str, bootstrap: str, topic: str, port: int,
 
 def test_sigkill_under_load_then_restart(db_url: str, engine: sa.Engine, bootstrap: str,
                                          topic: str, tmp_path: Path) -> None:
-    load = _load_module()
-    port = _free_port()
+    load = example("load")
+    port = free_port()
     acked = tmp_path / "acked.txt"
     server = _serve(db_url, bootstrap, topic, port)
     result: dict[str, Any] = {}
@@ -136,7 +120,7 @@ BAD_BODIES: list[tuple[bytes, str]] = [
 
 def test_bad_requests_get_400_and_write_nothing_and_metrics_are_served(
         db_url: str, engine: sa.Engine, bootstrap: str, topic: str) -> None:
-    port = _free_port()
+    port = free_port()
     server = _serve(db_url, bootstrap, topic, port, stdout=subprocess.PIPE)
     try:
         assert server.stdout is not None

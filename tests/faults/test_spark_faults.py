@@ -178,6 +178,7 @@ def _wait(condition: Callable[[], bool], timeout: float, what: str, query: Query
         time.sleep(0.2)
 
 
+@pytest.mark.faults_full
 @pytest.mark.timeout(420)
 def test_spark_sink_under_broker_faults(
         servers: tuple[LocalKafkaCluster, LocalPostgres], tmp_path: Path,

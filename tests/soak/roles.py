@@ -1,0 +1,45 @@
+"""What the soak's role processes share: a hook that SIGKILLs the process right after its next
+database COMMIT once SIGUSR1 armed it, and SIGTERM as a request to stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+
+from dualwrite.participant import PreparedTxnState
+from dualwrite.writer import PhaseHooks
+
+KILLED_LINE = "SOAK-KILLED after-database-commit"
+
+
+class KillAfterDatabaseCommit(PhaseHooks):
+    """Armed by SIGUSR1: at the next database COMMIT (a transaction decided, its Kafka
+    transaction not committed yet) print :data:`KILLED_LINE` and SIGKILL this process; every
+    Kafka commit calls ``on_kafka_committed``."""
+
+    def __init__(self, on_kafka_committed: Callable[[], None] | None = None) -> None:
+        self.armed = threading.Event()
+        self._on_kafka_committed = on_kafka_committed
+        signal.signal(signal.SIGUSR1, self._arm)
+
+    def _arm(self, signum: int, frame: FrameType | None) -> None:
+        self.armed.set()
+
+    def database_committed(self, state: PreparedTxnState) -> None:
+        if self.armed.is_set():
+            print(KILLED_LINE, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def kafka_committed(self, state: PreparedTxnState) -> None:
+        if self._on_kafka_committed is not None:
+            self._on_kafka_committed()
+
+
+def on_sigterm(stop: Callable[[], None]) -> None:
+    """Call ``stop`` on SIGTERM (the supervisor's request to stop)."""
+    def handler(signum: int, frame: FrameType | None) -> None:
+        stop()
+    signal.signal(signal.SIGTERM, handler)

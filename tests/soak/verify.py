@@ -1,0 +1,227 @@
+"""The soak's verdict, after the roles stopped: ``dualwrite recover`` (the CLI), then every table
+against its topic as Kafka's own Java console consumer reads it (read_committed), and Kafka's
+``kafka-transactions.sh`` (its ``TransactionsCommand``) for transactions left open or hanging.
+
+The invariant, each part an anomaly count that must be 0:
+
+- service: every order row has exactly one event and every event a row; every order the load
+  saw acknowledged (``201``) has both;
+- consumer: every order event was consumed exactly once (one ``soak_payments`` row), and every
+  payment row has exactly one ``paid`` record and every record a row;
+- Spark: every event fed is exactly once in the table and exactly once in its topic; no prepared
+  database transaction left;
+- nothing open or hanging in Kafka; ``dualwrite recover`` and ``dualwrite status`` clean;
+- only dualwrite's errors reached an application (anything else: ``foreign``), and every role
+  completed work again after the last fault.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import dualwrite
+import dualwrite.errors
+from tests.soak.kafka_tools import console_consume, find_hanging, list_transactions
+from tests.soak.report import SoakSummary
+from tests.support.workers import worker_env
+
+if TYPE_CHECKING:
+    from tests.soak.runner import Soak
+
+OPEN_STATES = frozenset({"Ongoing", "PrepareCommit", "PrepareAbort"})
+_TRACEBACK = re.compile(r"^Traceback \(most recent call last\):\n(?:[ \t].*\n)*"
+                        r"(?P<type>[A-Za-z_][\w.]*)(?::.*)?$", re.M)
+_CHAINED = re.compile(r"(?:\n(?!Traceback).+)*\n\n+(The above exception was the direct cause|"
+                      r"During handling of the above exception)")
+"""After an exception's last line: its message's other lines, then a chained exception."""
+
+
+@dataclass
+class Expected:
+    spark_events: int
+    """Events fed to Spark: ids 0 .. spark_events - 1."""
+    exits: dict[str, int | None]
+    """Each role's exit code when stopped (SIGTERM)."""
+
+
+class Tally:
+    """Anomalies (counts that must be 0) and what they were, by name."""
+
+    def __init__(self) -> None:
+        self.anomalies: dict[str, int] = {}
+        self.details: dict[str, list[str]] = {}
+
+    def check(self, name: str, items: Iterable[object]) -> None:
+        found = sorted(str(i) for i in items)
+        self.anomalies[name] = len(found)
+        if found:
+            self.details[name] = found[:50]
+
+
+def duplicated(values: Iterable[str]) -> list[str]:
+    return [f"{v} x{n}" for v, n in Counter(values).items() if n > 1]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dualwrite.cli", *args], capture_output=True,
+                          text=True, timeout=600, env=worker_env())
+
+
+def verify(soak: Soak, expected: Expected, stalled: list[str]) -> SoakSummary:
+    """Recover, read everything back, count anomalies; the run's summary."""
+    from tests.soak.runner import journal_lines, spark_batch_records
+
+    config = soak.config
+    bootstrap = soak.cluster.bootstrap_servers
+    version = config.kafka_version
+    tally = Tally()
+    figures: dict[str, str] = {}
+
+    recover = run_cli("recover", "--db", soak.pg.url, "-b", bootstrap, "--json")
+    figures["dualwrite recover"] = f"exit {recover.returncode}"
+    tally.check("dualwrite recover exit code not 0", [f"exit {recover.returncode}: "
+                f"{(recover.stdout + recover.stderr)[-2000:]}"] if recover.returncode else [])
+    status = run_cli("status", "--db", soak.pg.url, "-b", bootstrap, "--json")
+    tally.check("dualwrite status after recover not clean", [
+        f"exit {status.returncode}: {status.stdout[-2000:]}"] if status.returncode else [])
+
+    engine = dualwrite.create_engine(soak.pg.url)
+    try:
+        with engine.connect() as conn:
+            rows = [r[0] for r in conn.exec_driver_sql("SELECT order_id FROM http_orders")]
+            payments = [r[0] for r in conn.exec_driver_sql(
+                "SELECT order_id FROM soak_payments")]
+            spark_rows = [str(r[0]) for r in conn.exec_driver_sql(
+                "SELECT event_id FROM events")]
+            prepared = [r[0] for r in conn.exec_driver_sql("SELECT gid FROM pg_prepared_xacts")]
+    finally:
+        engine.dispose()
+
+    # Kafka's tools, each a JVM of its own, at once (a transaction still open would be
+    # an anomaly of its own; find-hanging's 0 minutes: however young).
+    with ThreadPoolExecutor(6) as pool:
+        read = {topic: pool.submit(console_consume, bootstrap, topic, kafka_version=version,
+                                   idle_timeout_s=3.0)
+                for topic in (soak.orders_topic, soak.paid_topic, soak.spark_topic)
+                if topic != soak.spark_topic or config.spark}
+        listing = pool.submit(list_transactions, bootstrap, kafka_version=version)
+        hanging_lines = pool.submit(find_hanging, bootstrap,
+                                    [n.node_id for n in soak.cluster.nodes],
+                                    kafka_version=version, max_transaction_timeout_min=0)
+    orders = read[soak.orders_topic].result()
+    paid = read[soak.paid_topic].result()
+    events = [json.loads(r.value)["order_id"] for r in orders]
+    tally.check("order events whose key is not their order id",
+                [f"{r.key} {r.value}" for r in orders
+                 if r.key != json.loads(r.value)["order_id"]])
+    tally.check("order events duplicated", duplicated(events))
+    tally.check("order rows without an event", set(rows) - set(events))
+    tally.check("order events without a row", set(events) - set(rows))
+    acked = {e["id"] for e in journal_lines(soak.out / "load.jsonl") if e["e"] == "ack"}
+    tally.check("acknowledged orders lost", acked - (set(rows) & set(events)))
+
+    tally.check("order events not consumed", set(events) - set(payments))
+    tally.check("order events consumed more than once", duplicated(payments))
+    tally.check("payments of no order event", set(payments) - set(events))
+    paid_ids = [r.value for r in paid]
+    tally.check("paid records duplicated", duplicated(paid_ids))
+    tally.check("payments without a paid record", set(payments) - set(paid_ids))
+    tally.check("paid records without a payment", set(paid_ids) - set(payments))
+
+    transactions = {"service": len(acked), "consumer": len(payments)}
+    if config.spark:
+        spark = read[soak.spark_topic].result()
+        spark_ids = [str(json.loads(r.value)["event_id"]) for r in spark]
+        fed = {str(i) for i in range(expected.spark_events)}
+        tally.check("spark events lost", fed - set(spark_ids))
+        tally.check("spark records duplicated", duplicated(spark_ids))
+        tally.check("spark records not fed", set(spark_ids) - fed)
+        tally.check("spark rows != records", set(spark_rows) ^ set(spark_ids))
+        tally.check("spark rows duplicated", duplicated(spark_rows))
+        transactions["spark"] = len(spark_batch_records(soak.roles["spark"].logs()))
+        figures["spark"] = (f"{expected.spark_events} events fed, {len(spark_ids)} records, "
+                            f"{len(spark_rows)} rows")
+    tally.check("prepared database transactions left", prepared)
+
+    listed = listing.result()
+    tally.check("open transactions (kafka-transactions.sh list)",
+                [f"{t.transactional_id} {t.state}" for t in listed if t.state in OPEN_STATES])
+    tally.check("hanging transactions (kafka-transactions.sh find-hanging)",
+                hanging_lines.result())
+    figures["Kafka's tools"] = (f"console consumer read {len(orders)} order events, "
+                                f"{len(paid)} paid records; {len(listed)} transactional ids "
+                                "listed")
+
+    errors, foreign = role_errors(soak)
+    tally.check("errors that are not dualwrite's (foreign) or a refused request", foreign)
+    tally.check("roles that completed nothing after the last fault", stalled)
+    # uvicorn raises SIGTERM again once it shut down cleanly (the pool closed).
+    clean = {"service": (0, -signal.SIGTERM)}
+    bad_exits = [f"{name} exit {code}" for name, code in expected.exits.items()
+                 if code is not None and code not in clean.get(name, (0,))]
+    tally.check("roles that did not stop cleanly on SIGTERM", bad_exits)
+    passes = daemon_passes(soak.scrapes)
+    tally.check("recovery daemon without a successful pass", [] if passes["ok"] else ["0 ok"])
+    transactions["daemon"] = passes["ok"]
+
+    return SoakSummary(
+        seed=config.seed, seconds=0.0, minutes_planned=config.minutes,
+        faults=Counter(f.fault.kind for f in soak.faults), transactions=transactions,
+        errors=errors, restarts={name: role.restarts for name, role in soak.roles.items()},
+        daemon_passes=passes, anomalies=tally.anomalies, details=tally.details,
+        figures=figures)
+
+
+def role_errors(soak: Soak) -> tuple[dict[str, Counter[str]], list[str]]:
+    """Errors that reached each role's application code, by class and family; and those that
+    must not have (not dualwrite's, or a request the service refused as bad)."""
+    from tests.soak.runner import journal_lines
+
+    errors: dict[str, Counter[str]] = {}
+    foreign: list[str] = []
+    for role, path in (("service", "load.jsonl"), ("consumer", "consumer.jsonl")):
+        for e in journal_lines(soak.out / path):
+            if e["e"] != "error":
+                continue
+            errors.setdefault(role, Counter())[f"{e['type']} ({e['family']})"] += 1
+            if e["family"] in ("foreign", "client"):
+                foreign.append(f"{role}: {e['type']}: {str(e.get('msg', ''))[:300]}")
+    if "spark" in soak.roles:
+        text = soak.roles["spark"].logs()
+        for m in re.finditer(r"^RESTART (\S+) (\S+)", text, re.M):
+            errors.setdefault("spark", Counter())[
+                f"{m.group(1).rsplit('.', 1)[-1]} ({m.group(2)})"] += 1
+        foreign += [f"spark: {m.group(0)}" for m in re.finditer(r"^(FOREIGN|GAVE-UP) .*$",
+                                                                   text, re.M)]
+    for name in ("service", "consumer"):
+        foreign += [f"{name} log: {line}" for line in foreign_tracebacks(soak.roles[name].logs())]
+    return errors, foreign
+
+
+def foreign_tracebacks(text: str) -> list[str]:
+    """The last line of every traceback in ``text`` whose exception is not dualwrite's (the
+    causes of a chained exception are not counted: dualwrite translated them)."""
+    found = []
+    for m in _TRACEBACK.finditer(text):
+        if _CHAINED.match(text, m.end()):
+            continue
+        if not hasattr(dualwrite.errors, m.group("type").rsplit(".", 1)[-1]):
+            found.append(m.group(0).rsplit("\n", 1)[-1][:300])
+    return found
+
+
+def daemon_passes(scrapes: list[dict[str, object]]) -> dict[str, int]:
+    """Passes of every daemon process: each incarnation's last scrape, summed."""
+    last: dict[object, dict[str, object]] = {}
+    for s in scrapes:
+        last[s["incarnation"]] = s
+    return {k: sum(int(str(s[k])) for s in last.values()) for k in ("ok", "error")}
