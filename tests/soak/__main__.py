@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soak: seed {config.seed}, up to {config.minutes:g} minutes"
           + (f" or {config.faults} faults" if config.faults else "")
           + f"; report in {config.out}", flush=True)
+    # SIGTERM (a CI timeout, a kill) stops the servers as Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     summary = run_soak(config)
     print(render_text(summary, load_events(config.out / "timeline.jsonl")))
     print(f"report: {config.out / 'report.html'}")

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 
 import dualwrite as dw
-from tests.soak.roles import KillAfterDatabaseCommit, on_sigterm
+from tests.soak.roles import KillAfterDatabaseCommit, on_sigterm, report_uncaught
 from tests.support.journal import Journal
 
 PAYMENTS = sa.Table("soak_payments", sa.MetaData(),
@@ -66,6 +66,7 @@ def main() -> int:
     ap.add_argument("--group", required=True)
     ap.add_argument("--journal", required=True)
     args = ap.parse_args()
+    report_uncaught()
     journal = Journal(args.journal)
     batches = Batches(journal)
     hooks = KillAfterDatabaseCommit(batches.committed)

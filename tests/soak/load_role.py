@@ -21,7 +21,7 @@ import uuid
 from urllib.parse import urlsplit
 
 import dualwrite.errors
-from tests.soak.roles import on_sigterm
+from tests.soak.roles import on_sigterm, report_uncaught
 from tests.support.journal import Journal, family_of_class
 
 
@@ -78,6 +78,7 @@ def main() -> int:
     ap.add_argument("--pause-s", type=float, default=0.01)
     ap.add_argument("--journal", required=True)
     args = ap.parse_args()
+    report_uncaught()
     parts = urlsplit(args.url)
     journal = Journal(args.journal)
     stopping = threading.Event()

@@ -32,17 +32,17 @@ import dualwrite
 import dualwrite.errors
 from tests.soak.kafka_tools import console_consume, find_hanging, list_transactions
 from tests.soak.report import SoakSummary
+from tests.soak.roles import UNCAUGHT
+from tests.soak.schedule import LANES
 from tests.support.workers import worker_env
 
 if TYPE_CHECKING:
     from tests.soak.runner import Soak
 
-OPEN_STATES = frozenset({"Ongoing", "PrepareCommit", "PrepareAbort"})
-_TRACEBACK = re.compile(r"^Traceback \(most recent call last\):\n(?:[ \t].*\n)*"
-                        r"(?P<type>[A-Za-z_][\w.]*)(?::.*)?$", re.M)
-_CHAINED = re.compile(r"(?:\n(?!Traceback).+)*\n\n+(The above exception was the direct cause|"
-                      r"During handling of the above exception)")
-"""After an exception's last line: its message's other lines, then a chained exception."""
+OPEN_STATES = frozenset({"Ongoing", "PrepareCommit", "PrepareAbort", "PrepareEpochFence"})
+_UNCAUGHT = re.compile(rf"^{UNCAUGHT} (\S+) (\S+)$", re.M)
+GRACE_S = 30.0
+"""After the faults healed, how long a request may still go unanswered (a client's wait)."""
 
 
 @dataclass
@@ -51,6 +51,14 @@ class Expected:
     """Events fed to Spark: ids 0 .. spark_events - 1."""
     exits: dict[str, int | None]
     """Each role's exit code when stopped (SIGTERM)."""
+    healed: float
+    """When the faults were over and everything was up again."""
+    in_doubt: list[str]
+    """What ``dualwrite status`` still found in doubt when the wait for the daemon ended."""
+    settled_s: float
+    """How long the daemon took to finish what the stopped roles left in doubt."""
+    consumer_behind: int
+    """Order events the consumer had not decided when it was stopped."""
 
 
 class Tally:
@@ -86,6 +94,11 @@ def verify(soak: Soak, expected: Expected, stalled: list[str]) -> SoakSummary:
     tally = Tally()
     figures: dict[str, str] = {}
 
+    tally.check("in doubt after the roles stopped, not finished by the daemon in 120 s",
+                expected.in_doubt)
+    figures["daemon after the roles stopped"] = f"nothing in doubt after {expected.settled_s:.0f} s"
+    tally.check("order events the consumer had not read when stopped",
+                [f"{expected.consumer_behind} behind"] if expected.consumer_behind > 0 else [])
     recover = run_cli("recover", "--db", soak.pg.url, "-b", bootstrap, "--json")
     figures["dualwrite recover"] = f"exit {recover.returncode}"
     tally.check("dualwrite recover exit code not 0", [f"exit {recover.returncode}: "
@@ -98,8 +111,9 @@ def verify(soak: Soak, expected: Expected, stalled: list[str]) -> SoakSummary:
     try:
         with engine.connect() as conn:
             rows = [r[0] for r in conn.exec_driver_sql("SELECT order_id FROM http_orders")]
-            payments = [r[0] for r in conn.exec_driver_sql(
-                "SELECT order_id FROM soak_payments")]
+            payment_amounts = [(r[0], r[1]) for r in conn.exec_driver_sql(
+                "SELECT order_id, amount_cents FROM soak_payments")]
+            payments = [o for o, _ in payment_amounts]
             spark_rows = [str(r[0]) for r in conn.exec_driver_sql(
                 "SELECT event_id FROM events")]
             prepared = [r[0] for r in conn.exec_driver_sql("SELECT gid FROM pg_prepared_xacts")]
@@ -126,12 +140,25 @@ def verify(soak: Soak, expected: Expected, stalled: list[str]) -> SoakSummary:
     tally.check("order events duplicated", duplicated(events))
     tally.check("order rows without an event", set(rows) - set(events))
     tally.check("order events without a row", set(events) - set(rows))
-    acked = {e["id"] for e in journal_lines(soak.out / "load.jsonl") if e["e"] == "ack"}
+    load = journal_lines(soak.out / "load.jsonl")
+    acked = {e["id"] for e in load if e["e"] == "ack"}
     tally.check("acknowledged orders lost", acked - (set(rows) & set(events)))
+    # RetriableError: nothing was decided, so a client may send the order again.
+    retried = {e["id"] for e in load if e["e"] == "error" and e["family"] == "retriable"}
+    tally.check("orders answered retriable that committed", retried & (set(rows) | set(events)))
+    tally.check("requests unanswered after the faults healed", [
+        f"{e['id']} at +{e['t'] - expected.healed:.0f} s ({e.get('why')})" for e in load
+        if e["e"] == "unavailable" and e["t"] > expected.healed + GRACE_S])
 
     tally.check("order events not consumed", set(events) - set(payments))
     tally.check("order events consumed more than once", duplicated(payments))
     tally.check("payments of no order event", set(payments) - set(events))
+    amounts = {json.loads(r.value)["order_id"]: json.loads(r.value)["amount_cents"]
+               for r in orders}
+    tally.check("payments whose amount is not their order's", [
+        f"{o}: {a} != {amounts.get(o)}" for o, a in payment_amounts if amounts.get(o) != a])
+    tally.check("paid records whose key is not their value",
+                [f"{r.key} {r.value}" for r in paid if r.key != r.value])
     paid_ids = [r.value for r in paid]
     tally.check("paid records duplicated", duplicated(paid_ids))
     tally.check("payments without a paid record", set(payments) - set(paid_ids))
@@ -163,6 +190,14 @@ def verify(soak: Soak, expected: Expected, stalled: list[str]) -> SoakSummary:
 
     errors, foreign = role_errors(soak)
     tally.check("errors that are not dualwrite's (foreign) or a refused request", foreign)
+    tally.check("role processes that exited unexplained (not SIGKILLed by a fault)",
+                unexplained_exits(soak))
+    tally.check("service shutdowns that failed", [
+        f"service #{i}" for i in range(1, soak.roles["service"].incarnation + 1)
+        if "Application shutdown failed" in soak.roles["service"].log_text(i)])
+    made = Counter(f.lane for f in soak.faults if not f.failed)
+    tally.check("lanes that made no fault", set(LANES) - set(made))
+    figures["faults that could not be made"] = str(sum(1 for f in soak.faults if f.failed))
     tally.check("roles that completed nothing after the last fault", stalled)
     # uvicorn raises SIGTERM again once it shut down cleanly (the pool closed).
     clean = {"service": (0, -signal.SIGTERM)}
@@ -202,20 +237,28 @@ def role_errors(soak: Soak) -> tuple[dict[str, Counter[str]], list[str]]:
                 f"{m.group(1).rsplit('.', 1)[-1]} ({m.group(2)})"] += 1
         foreign += [f"spark: {m.group(0)}" for m in re.finditer(r"^(FOREIGN|GAVE-UP) .*$",
                                                                    text, re.M)]
-    for name in ("service", "consumer"):
-        foreign += [f"{name} log: {line}" for line in foreign_tracebacks(soak.roles[name].logs())]
+    for name in ("service", "consumer", "load"):
+        foreign += [f"{name}: uncaught {m.group(1)}" for m in
+                    _UNCAUGHT.finditer(soak.roles[name].logs()) if m.group(2) == "foreign"]
     return errors, foreign
 
 
-def foreign_tracebacks(text: str) -> list[str]:
-    """The last line of every traceback in ``text`` whose exception is not dualwrite's (the
-    causes of a chained exception are not counted: dualwrite translated them)."""
+def unexplained_exits(soak: Soak) -> list[str]:
+    """Role processes that ended but were not SIGKILLed by a fault: a service that failed to
+    start (its uvicorn's exit 3, the error typed: ``SOAK-UNCAUGHT`` lines are checked) and a
+    Spark driver that gave up (``FOREIGN``/``GAVE-UP``, counted apart) excepted."""
+    from tests.soak.runner import journal_lines
+
     found = []
-    for m in _TRACEBACK.finditer(text):
-        if _CHAINED.match(text, m.end()):
+    for e in journal_lines(soak.out / "events.jsonl"):
+        if e["e"] != "restart" or e["reason"] == "exit -9":
             continue
-        if not hasattr(dualwrite.errors, m.group("type").rsplit(".", 1)[-1]):
-            found.append(m.group(0).rsplit("\n", 1)[-1][:300])
+        text = soak.roles[e["role"]].log_text(e["incarnation"])
+        if e["role"] == "service" and "Application startup failed" in text:
+            continue
+        if e["role"] == "spark" and re.search(r"^(FOREIGN|GAVE-UP) ", text, re.M):
+            continue
+        found.append(f"{e['role']} #{e['incarnation']}: {e['reason']}")
     return found
 
 
