@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy import Engine
 
-from dualwrite.database.engine import database_error
+from dualwrite.database.engine import database_error, mask_url
 from dualwrite.errors import FatalError
 
 if TYPE_CHECKING:
@@ -36,10 +36,9 @@ def target_columns(engine: Engine, target: str, columns: Sequence[str] | None
         table = sa.Table(target, sa.MetaData(), autoload_with=engine)
     except sa.exc.NoSuchTableError as exc:
         raise FatalError(f"the target table {target!r} does not exist in "
-                         f"{engine.url.render_as_string(hide_password=True)}; create it "
-                         "first") from exc
+                         f"{mask_url(engine.url)}; create it first") from exc
     except sa.exc.SQLAlchemyError as exc:
-        raise database_error(exc, engine.url, table=target) from exc
+        raise database_error(exc, engine.url) from exc
     names = list(columns) if columns is not None else [c.name for c in table.columns]
     unknown = [c for c in names if c not in table.columns]
     if unknown or not names:

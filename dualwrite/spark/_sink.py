@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import re
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+from py4j.protocol import Py4JError
+from pyspark.errors import PySparkException
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from sqlalchemy import Engine
@@ -214,7 +216,7 @@ class ExactlyOnceSink:
             try:
                 rows = prepared.mapInArrow(functools.partial(write_partition, plan),
                                            RESULT_SCHEMA).collect()
-            except Exception as exc:  # Spark's own exception, whatever the task raised
+            except (PySparkException, Py4JError) as exc:  # whatever a task raised
                 raise tasks_failed(exc, self.sink_id, batch_id, self.topic) from exc
             participants = [Participant(r.partition_id, r.transactional_id,
                                         PreparedTxnState.parse(r.state), r.records,
@@ -259,31 +261,49 @@ class ExactlyOnceSink:
             self._control_plane = None
 
 
-_TASK_ERROR = re.compile(r"^dualwrite\.errors\.(\w+): (.*)$", re.M)
+_FINAL_EXCEPTION = re.compile(r"^(?P<name>[A-Za-z_][\w.]*): ?(?P<message>.*)$", re.M)
+_TOPIC_AND_MESSAGE = (errors.InvalidRecordError, errors.UnknownTopicError)
+"""Fatal classes constructed as ``(topic, message)``; the others' own ``__init__`` is not
+guessed at."""
+
+
+def task_exception(text: str) -> tuple[str, str] | None:
+    """``(qualified class name, message)`` of the exception a failed task ended with: the first
+    unindented ``Name: message`` line after the text's last ``Traceback`` header (the frames
+    are indented; chained causes come in earlier tracebacks)."""
+    _, header, last = text.rpartition("Traceback (most recent call last):")
+    match = _FINAL_EXCEPTION.search(last) if header else None
+    return (match["name"], match["message"].strip()) if match else None
+
+
+def _dualwrite_class(name: str) -> type[DualWriteError] | None:
+    module, _, attr = name.rpartition(".")
+    if not module.startswith("dualwrite."):
+        return None
+    kind = getattr(sys.modules.get(module), attr, None)
+    return kind if isinstance(kind, type) and issubclass(kind, DualWriteError) else None
 
 
 def tasks_failed(exc: Exception, sink_id: str, batch_id: int, topic: str) -> DualWriteError:
-    """The typed error for a batch whose tasks failed: Spark reports a failed task as its own
-    exception (``PythonException``, ``Py4JJavaError``) carrying the task's traceback as text.
-    A task's :class:`FatalError` (a bad record, a missing permission) stays that class, as
-    running the batch again would fail the same way; anything else is
-    :class:`BatchTasksFailedError`: nothing was decided, a rerun writes the batch."""
-    named = _TASK_ERROR.findall(str(exc))
-    if named:
-        name, message = named[-1]
-        kind = getattr(errors, name, None)
-        if isinstance(kind, type) and issubclass(kind, FatalError):
-            text = f"sink {sink_id} batch {batch_id}: a task failed: {message}"
-            # A message, or (like UnknownTopicError's) the topic and a message.
-            for args in ((text,), (topic, text)):
-                with contextlib.suppress(TypeError):
-                    return kind(*args)
-            return FatalError(f"{text} ({name})")
-        cause = f"{name}: {message}"
-    else:
-        lines = str(exc).strip().splitlines()
-        cause = f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500]
+    """The typed error for a batch whose tasks failed. Spark reports a failed task as its own
+    exception (``PythonException``, ``Py4JJavaError``) carrying the task's traceback as text;
+    nothing was decided yet (the decision follows the tasks). A task's dualwrite
+    :class:`FatalError` (a bad record, a missing topic or permission) stays fatal, as running
+    the batch again would fail the same way; anything else is :class:`BatchTasksFailedError`,
+    ``task_error`` naming what the task raised (which may be the query's own code)."""
+    found = task_exception(str(exc))
+    name, message = found or (type(exc).__name__,
+                              (str(exc).strip().splitlines() or [""])[0][:300])
+    kind = _dualwrite_class(name)
+    if kind is not None and issubclass(kind, FatalError):
+        text = f"sink {sink_id} batch {batch_id}: a task failed: {message}"
+        if issubclass(kind, _TOPIC_AND_MESSAGE):
+            return kind(topic, text)
+        if all("__init__" not in vars(c) for c in kind.__mro__ if issubclass(c, DualWriteError)):
+            return kind(text)
+        return FatalError(f"{text} ({name.rsplit('.', 1)[-1]})")
+    cause = f"{name.rsplit('.', 1)[-1]}: {message}"[:500]
     return BatchTasksFailedError(
         f"sink {sink_id} batch {batch_id}: its tasks failed before the batch was decided "
-        f"({cause}); nothing of it is visible, and running the batch again writes it",
-        task_error=cause)
+        f"({cause}); nothing of it is visible, and running the batch again writes it once "
+        "what failed is back", task_error=cause)

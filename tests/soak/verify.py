@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import dualwrite
-import dualwrite.errors
+from dualwrite import errors as dualwrite_errors
+from dualwrite.participant import kafka_errors
 from tests.soak.kafka_tools import console_consume, find_hanging, list_transactions
 from tests.soak.report import SoakSummary
 from tests.soak.roles import UNCAUGHT
@@ -237,6 +238,11 @@ def role_errors(soak: Soak) -> tuple[dict[str, Counter[str]], list[str]]:
                 f"{m.group(1).rsplit('.', 1)[-1]} ({m.group(2)})"] += 1
         foreign += [f"spark: {m.group(0)}" for m in re.finditer(r"^(FOREIGN|GAVE-UP) .*$",
                                                                    text, re.M)]
+        # A task's own error, reported inside BatchTasksFailedError: dualwrite's, or foreign.
+        foreign += [f"spark: a task raised {m.group(1)}" for m in
+                    re.finditer(r"^RESTART .* task=(\S+)$", text, re.M)
+                    if not any(hasattr(module, m.group(1))
+                               for module in (dualwrite_errors, kafka_errors))]
     for name in ("service", "consumer", "load"):
         foreign += [f"{name}: uncaught {m.group(1)}" for m in
                     _UNCAUGHT.finditer(soak.roles[name].logs()) if m.group(2) == "foreign"]

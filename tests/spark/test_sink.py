@@ -286,8 +286,10 @@ def test_a_task_failing_every_attempt_fails_the_batch_typed(pipeline: Pipeline,
                           faults="fail:2:0:1", expect_ok=False)
     assert result.returncode != 0
     assert "injected failure of partition 2" in result.stderr
-    assert re.search(r"^RESTART dualwrite\.errors\.BatchTasksFailedError retriable",
-                     result.stdout, re.M), result.stdout + result.stderr[-4000:]
+    # The task raised RuntimeError (the injected failure): named, not hidden.
+    assert re.search(r"^RESTART dualwrite\.errors\.BatchTasksFailedError retriable "
+                     r"t=\S+ task=RuntimeError$", result.stdout, re.M), \
+        result.stdout + result.stderr[-4000:]
     assert "FOREIGN" not in result.stdout
     pipeline.run()
     pipeline.assert_exactly_once()

@@ -152,7 +152,10 @@ def follow(start: Callable[[], Any], failures: list[BaseException], stop_file: s
                       f"GAVE-UP {name} {kind}", flush=True)
                 raise
             restarts += 1
-            print(f"RESTART {name} {kind} t={time.time():.3f}", flush=True)
+            # What a failed task raised (BatchTasksFailedError.task_error), by class.
+            task = str(getattr(cause, "task_error", "")).split(":", 1)[0]
+            print(f"RESTART {name} {kind} t={time.time():.3f}"
+                  + (f" task={task}" if task else ""), flush=True)
             logging.getLogger("spark_worker").warning("query failed (%s: %s); restarting",
                                                       name, cause)
             time.sleep(1.0)
