@@ -20,17 +20,14 @@ import time
 import uuid
 from urllib.parse import urlsplit
 
-import dualwrite.errors
 from tests.soak.roles import on_sigterm, report_uncaught
-from tests.support.journal import Journal, family_of_class
+from tests.support.journal import Journal, dualwrite_error_class, family_of_class
 
 
 def family_of(name: str) -> str:
     """The family of the dualwrite error class ``name`` (``foreign`` for any other name)."""
-    kind = getattr(dualwrite.errors, name, None)
-    if isinstance(kind, type) and issubclass(kind, BaseException):
-        return family_of_class(kind)
-    return "foreign"
+    kind = dualwrite_error_class(name)
+    return "foreign" if kind is None else family_of_class(kind)
 
 
 def client(host: str, port: int, n: int, journal: Journal, stopping: threading.Event,

@@ -307,7 +307,7 @@ class Soak:
         most three files waiting: its backlog is what the end waits for)."""
         self.source.mkdir(exist_ok=True)
         while True:
-            written = {b for _, b in spark_batches(self.roles["spark"].logs())}
+            written = {b for _, b, _ in spark_batches(self.roles["spark"].logs())}
             if self.files_fed - len(written) < 3:
                 write_source_file(self.source, self.files_fed, self.config.spark_events_per_file)
                 self.files_fed += 1
@@ -344,7 +344,8 @@ class Soak:
                                 if e["e"] == "done"),
                 "daemon": self.daemon_passed_since(since)}
         if "spark" in self.roles:
-            done["spark"] = any(t > since for t, _ in spark_batches(self.roles["spark"].logs()))
+            done["spark"] = any(t > since
+                                for t, _, _ in spark_batches(self.roles["spark"].logs()))
         return done
 
     def daemon_passed_since(self, since: float) -> bool:
@@ -438,7 +439,7 @@ class Soak:
         paused."""
         role = self.roles[name]
         if name == "spark":
-            last = max((b for _, b in spark_batches(role.logs())), default=-1)
+            last = max((b for _, b, _ in spark_batches(role.logs())), default=-1)
             marker = "DUALWRITE-PAUSED decided"
             incarnation = role.kill(next_env={"DUALWRITE_SPARK_FAULTS": ";".join(
                 f"pause:decided:{b}" for b in range(last + 1, last + 6))}, kill_at=marker) + 1
@@ -596,16 +597,20 @@ def journal_lines(path: Path) -> list[dict[str, Any]]:
 
 
 _BATCH = re.compile(r"^BATCH (\d+) committed (\d+) t=([\d.]+)", re.M)
+_RESTART = re.compile(r"^RESTART (\S+) (\S+) t=([\d.]+)(?: task=(\S+))?$", re.M)
 
 
-def spark_batches(text: str) -> list[tuple[float, int]]:
-    """``(time, batch id)`` of every batch the Spark role committed."""
-    return [(float(m.group(3)), int(m.group(1))) for m in _BATCH.finditer(text)]
+def spark_batches(text: str) -> list[tuple[float, int, int]]:
+    """``(time, batch id, records)`` of every batch the Spark role committed."""
+    return [(float(m.group(3)), int(m.group(1)), int(m.group(2)))
+            for m in _BATCH.finditer(text)]
 
 
-def spark_batch_records(text: str) -> list[tuple[float, int]]:
-    """``(time, records)`` of every batch the Spark role committed."""
-    return [(float(m.group(3)), int(m.group(2))) for m in _BATCH.finditer(text)]
+def spark_restarts(text: str) -> list[tuple[float, str, str, str | None]]:
+    """``(time, error class, its family, the class a failed task raised or None)`` of every
+    restart of the Spark role's query after an error."""
+    return [(float(m.group(3)), m.group(1).rsplit(".", 1)[-1], m.group(2), m.group(4))
+            for m in _RESTART.finditer(text)]
 
 
 @contextlib.contextmanager
@@ -680,10 +685,9 @@ def journal_events(soak: Soak) -> list[dict[str, Any]]:
     if "spark" in soak.roles:
         text = soak.roles["spark"].logs()
         events += [{"e": "done", "role": "spark", "t": t, "n": n}
-                   for t, n in spark_batch_records(text)]
-        events += [{"e": "error", "role": "spark", "t": float(m.group(3)),
-                    "type": m.group(1).rsplit(".", 1)[-1], "family": m.group(2)}
-                   for m in re.finditer(r"^RESTART (\S+) (\S+) t=([\d.]+)", text, re.M)]
+                   for t, _, n in spark_batches(text)]
+        events += [{"e": "error", "role": "spark", "t": t, "type": kind, "family": family}
+                   for t, kind, family, _ in spark_restarts(text)]
     events += [{"e": "scrape", **s} for s in soak.scrapes]
     events += [e for e in journal_lines(soak.out / "events.jsonl") if e["e"] == "restart"]
     return sorted(events, key=lambda e: float(e.get("t", e.get("start", 0.0))))

@@ -29,12 +29,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import dualwrite
-from dualwrite import errors as dualwrite_errors
-from dualwrite.participant import kafka_errors
 from tests.soak.kafka_tools import console_consume, find_hanging, list_transactions
 from tests.soak.report import SoakSummary
 from tests.soak.roles import UNCAUGHT
 from tests.soak.schedule import LANES
+from tests.support.journal import dualwrite_error_class
 from tests.support.workers import worker_env
 
 if TYPE_CHECKING:
@@ -87,7 +86,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def verify(soak: Soak, expected: Expected, stalled: list[str]) -> SoakSummary:
     """Recover, read everything back, count anomalies; the run's summary."""
-    from tests.soak.runner import journal_lines, spark_batch_records
+    from tests.soak.runner import journal_lines, spark_batches
 
     config = soak.config
     bootstrap = soak.cluster.bootstrap_servers
@@ -175,7 +174,7 @@ def verify(soak: Soak, expected: Expected, stalled: list[str]) -> SoakSummary:
         tally.check("spark records not fed", set(spark_ids) - fed)
         tally.check("spark rows != records", set(spark_rows) ^ set(spark_ids))
         tally.check("spark rows duplicated", duplicated(spark_rows))
-        transactions["spark"] = len(spark_batch_records(soak.roles["spark"].logs()))
+        transactions["spark"] = len(spark_batches(soak.roles["spark"].logs()))
         figures["spark"] = (f"{expected.spark_events} events fed, {len(spark_ids)} records, "
                             f"{len(spark_rows)} rows")
     tally.check("prepared database transactions left", prepared)
@@ -220,7 +219,7 @@ def verify(soak: Soak, expected: Expected, stalled: list[str]) -> SoakSummary:
 def role_errors(soak: Soak) -> tuple[dict[str, Counter[str]], list[str]]:
     """Errors that reached each role's application code, by class and family; and those that
     must not have (not dualwrite's, or a request the service refused as bad)."""
-    from tests.soak.runner import journal_lines
+    from tests.soak.runner import journal_lines, spark_restarts
 
     errors: dict[str, Counter[str]] = {}
     foreign: list[str] = []
@@ -233,16 +232,14 @@ def role_errors(soak: Soak) -> tuple[dict[str, Counter[str]], list[str]]:
                 foreign.append(f"{role}: {e['type']}: {str(e.get('msg', ''))[:300]}")
     if "spark" in soak.roles:
         text = soak.roles["spark"].logs()
-        for m in re.finditer(r"^RESTART (\S+) (\S+)", text, re.M):
-            errors.setdefault("spark", Counter())[
-                f"{m.group(1).rsplit('.', 1)[-1]} ({m.group(2)})"] += 1
+        restarts = spark_restarts(text)
+        for _, kind, family, _ in restarts:
+            errors.setdefault("spark", Counter())[f"{kind} ({family})"] += 1
         foreign += [f"spark: {m.group(0)}" for m in re.finditer(r"^(FOREIGN|GAVE-UP) .*$",
                                                                    text, re.M)]
         # A task's own error, reported inside BatchTasksFailedError: dualwrite's, or foreign.
-        foreign += [f"spark: a task raised {m.group(1)}" for m in
-                    re.finditer(r"^RESTART .* task=(\S+)$", text, re.M)
-                    if not any(hasattr(module, m.group(1))
-                               for module in (dualwrite_errors, kafka_errors))]
+        foreign += [f"spark: a task raised {task}" for _, _, _, task in restarts
+                    if task is not None and dualwrite_error_class(task) is None]
     for name in ("service", "consumer", "load"):
         foreign += [f"{name}: uncaught {m.group(1)}" for m in
                     _UNCAUGHT.finditer(soak.roles[name].logs()) if m.group(2) == "foreign"]

@@ -10,6 +10,7 @@ import time
 import traceback
 from typing import IO, Any
 
+from dualwrite import errors
 from dualwrite.errors import (
     DualWriteError,
     FatalError,
@@ -17,6 +18,7 @@ from dualwrite.errors import (
     RecoverableError,
     RetriableError,
 )
+from dualwrite.participant import kafka_errors
 
 FAMILIES = ((RetriableError, "retriable"), (RecoverableError, "recoverable"),
             (HeuristicOutcomeError, "heuristic"), (FatalError, "fatal"),
@@ -36,6 +38,16 @@ def family_of_class(kind: type[BaseException]) -> str:
         if issubclass(kind, base):
             return name
     return "foreign"
+
+
+def dualwrite_error_class(name: str) -> type[DualWriteError] | None:
+    """The dualwrite error class of that (unqualified) name, from ``dualwrite.errors`` or the
+    Kafka error classes; None for any other name."""
+    for module in (errors, kafka_errors):
+        kind = getattr(module, name, None)
+        if isinstance(kind, type) and issubclass(kind, DualWriteError):
+            return kind
+    return None
 
 
 def causes(exc: BaseException) -> list[str]:
