@@ -11,6 +11,9 @@ with the ``metrics`` extra (``pip install 'dualwrite[metrics]'``).
 
     python examples/http_service.py --db URL -b HOST:PORT --topic orders [--port 8000] [--size 8]
 
+``--db``: PostgreSQL, MariaDB (``mysql://``, with the ``mariadb`` extra) or SQLite, as dualwrite
+takes it; the app's own engine gets the async driver of that database (:func:`async_url`).
+
 The pool claims its ids ``http-orders-0`` .. ``http-orders-{size-1}`` at start (it prints them
 with the URL it serves) and finishes what a previous process left in doubt; see
 examples/README.md for the crash-and-recover walkthrough.
@@ -73,12 +76,17 @@ def parse_order(raw: bytes) -> tuple[str, int]:
 
 
 def async_url(db_url: str) -> sa.URL:
-    """The URL with an async driver: psycopg 3 (async) on PostgreSQL, aiosqlite on SQLite."""
+    """The URL with an async driver: psycopg 3 (async) on PostgreSQL, aiosqlite on SQLite,
+    aiomysql on MariaDB (``mysql://``, ``mysql+pymysql://``, ``mariadb+pymysql://`` …: the
+    dialect name is kept; the ``mariadb`` extra installs aiomysql)."""
     url = sa.make_url(db_url)
     if url.drivername == "postgresql":
         return url.set(drivername="postgresql+psycopg")
     if url.drivername in ("sqlite", "sqlite+pysqlite"):
         return url.set(drivername="sqlite+aiosqlite")
+    dialect, _, driver = url.drivername.partition("+")
+    if dialect in ("mysql", "mariadb") and driver not in ("aiomysql", "asyncmy"):
+        return url.set(drivername=f"{dialect}+aiomysql")
     return url
 
 

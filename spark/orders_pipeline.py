@@ -26,7 +26,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,6 +77,9 @@ class PipelineConfig:
     master: str | None = None
     spark_conf: dict[str, str] = field(default_factory=dict)
     """Extra Spark settings (``--conf key=value``)."""
+    kafka_config: dict[str, str] = field(default_factory=dict)
+    """Extra settings of the sink's Kafka clients (``--kafka-config key=value``): security,
+    timeouts; ``bootstrap.servers`` is ``bootstrap``."""
 
 
 # -- the transformation ------------------------------------------------------------------------
@@ -181,36 +184,51 @@ def orders_table(metadata: Any, name: str = "orders_enriched") -> Any:
 
 
 def ensure_orders_table(db_url: str, name: str = "orders_enriched") -> None:
-    """Create the orders table unless it exists."""
+    """Create the orders table unless it exists (a database out of reach:
+    ``DatabaseUnreachableError``, as from the sink)."""
     import sqlalchemy as sa
 
     import dualwrite as dw
+    from dualwrite.database import transaction
 
     engine = dw.create_engine(db_url)
     try:
-        with engine.begin() as conn:
+        with transaction(engine) as conn:
             orders_table(sa.MetaData(), name).create(conn, checkfirst=True)
     finally:
         engine.dispose()
 
 
-def ensure_topic(bootstrap: str, topic: str, partitions: int) -> None:
-    """Create ``topic`` (``partitions`` partitions, the broker's replication) unless it exists."""
+def ensure_topic(bootstrap: str, topic: str, partitions: int,
+                 kafka_config: Mapping[str, str] | None = None, timeout_s: float = 15.0) -> None:
+    """Create ``topic`` (``partitions`` partitions, the broker's replication) unless it exists.
+    ``kafka_config``: the sink's client settings (security). No broker answering:
+    ``BrokerUnreachableError``, as from the sink."""
+    from confluent_kafka import KafkaError, KafkaException
     from confluent_kafka.admin import AdminClient
     from confluent_kafka.cimpl import NewTopic
 
+    import dualwrite as dw
+
     # librdkafka's own lines through `logging` (quiet), as dualwrite's clients do.
-    conf: dict[str, Any] = {"bootstrap.servers": bootstrap,
+    conf: dict[str, Any] = {**(kafka_config or {}), "bootstrap.servers": bootstrap,
                             "logger": logging.getLogger("dualwrite.librdkafka")}
     admin = AdminClient(conf)
-    if topic in admin.list_topics(timeout=15).topics:
-        return
-    future = admin.create_topics([NewTopic(topic, partitions)], request_timeout=15)[topic]
+    try:
+        if topic in admin.list_topics(timeout=timeout_s).topics:
+            return
+    except KafkaException as exc:
+        raise dw.BrokerUnreachableError(f"cannot list the topics at {bootstrap}: "
+                                        f"{exc.args[0]}") from exc
+    future = admin.create_topics([NewTopic(topic, partitions)], request_timeout=timeout_s)[topic]
     try:
         future.result()
-    except Exception as exc:  # created concurrently is fine
-        if "TOPIC_ALREADY_EXISTS" not in str(exc):
-            raise
+    except KafkaException as exc:
+        error = exc.args[0]
+        if error.code() == KafkaError.TOPIC_ALREADY_EXISTS:  # created concurrently
+            return
+        kind = dw.BrokerUnreachableError if error.retriable() else dw.ConfigurationError
+        raise kind(f"cannot create topic {topic}: {error}") from exc
 
 
 def check_checkpoint(config: PipelineConfig) -> None:
@@ -226,6 +244,7 @@ def check_checkpoint(config: PipelineConfig) -> None:
         return
     import dualwrite as dw
     from dualwrite.batch import DecisionLog
+    from dualwrite.database import mask_url
 
     engine = dw.create_engine(config.db)
     try:
@@ -236,9 +255,9 @@ def check_checkpoint(config: PipelineConfig) -> None:
     if record is not None:
         raise SystemExit(
             f"sink {config.sink_id!r} decided batches up to {record.last_batch_id} in "
-            f"{config.db}, but the checkpoint {config.checkpoint} is new: its batches would be "
-            "skipped as replays. Use the old checkpoint, another --sink-id, or drop the sink's "
-            "record (dualwrite.batch.decision_log.DecisionLog(engine).forget(sink_id)).")
+            f"{mask_url(config.db)}, but the checkpoint {config.checkpoint} is new: its batches "
+            "would be skipped as replays. Use the old checkpoint, another --sink-id, or drop the "
+            "sink's record (dualwrite.batch.decision_log.DecisionLog(engine).forget(sink_id)).")
 
 
 # -- the query ---------------------------------------------------------------------------------
@@ -338,7 +357,8 @@ def make_sink(config: PipelineConfig) -> ExactlyOnceSink:
     from dualwrite.spark import ExactlyOnceSink
 
     return ExactlyOnceSink(
-        sink_id=config.sink_id, kafka_config={"bootstrap.servers": config.bootstrap},
+        sink_id=config.sink_id,
+        kafka_config={**config.kafka_config, "bootstrap.servers": config.bootstrap},
         topic=config.topic, database_url=config.db, key_column="key", value_column="value",
         target_table=None if config.kafka_only else config.table,
         table_columns=None if config.kafka_only else list(ORDER_COLUMNS))
@@ -350,7 +370,7 @@ def build_query(spark: SparkSession, config: PipelineConfig,
     check_checkpoint(config)
     if not config.kafka_only:
         ensure_orders_table(config.db, config.table)
-    ensure_topic(config.bootstrap, config.topic, config.partitions)
+    ensure_topic(config.bootstrap, config.topic, config.partitions, config.kafka_config)
     if config.source == "kafka":
         if not config.source_topic:
             raise SystemExit("--source kafka needs --source-topic")
@@ -426,13 +446,15 @@ def spark_session(config: PipelineConfig) -> SparkSession:
 
 
 def run(config: PipelineConfig) -> int:
+    from dualwrite.database import mask_url
+
     spark = spark_session(config)
     target = "Kafka only" if config.kafka_only else f"table {config.table} + Kafka"
     source = (f"Kafka topic {config.source_topic}" if config.source == "kafka"
               else f"generator, {config.rows_per_batch} orders per batch")
     print(f"orders pipeline: {source} -> {target} (topic {config.topic}, sink {config.sink_id}, "
-          f"db {config.db}, master {spark.sparkContext.master}, {config.partitions} partitions)",
-          flush=True)
+          f"db {mask_url(config.db)}, master {spark.sparkContext.master}, "
+          f"{config.partitions} partitions)", flush=True)
     query, pipeline = build_query(spark, config, lambda line: print(line, flush=True))
     stop_requested = threading.Event()
 
@@ -492,6 +514,9 @@ def parse_args(argv: Sequence[str] | None = None) -> PipelineConfig:
                                     "whatever spark-submit was given)")
     p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Spark setting (repeatable), e.g. spark.ui.enabled=false")
+    p.add_argument("--kafka-config", action="append", default=[], metavar="KEY=VALUE",
+                   help="setting of the sink's Kafka clients (repeatable), e.g. "
+                        "security.protocol=SASL_SSL")
     p.add_argument("-v", "--verbose", action="store_true", help="dualwrite's INFO logs")
     args = p.parse_args(argv)
     if not args.bootstrap:
@@ -500,6 +525,8 @@ def parse_args(argv: Sequence[str] | None = None) -> PipelineConfig:
         p.error("--partitions and --rows-per-batch must be positive")
     if any("=" not in item for item in args.conf):
         p.error("--conf takes KEY=VALUE")
+    if any("=" not in item for item in args.kafka_config):
+        p.error("--kafka-config takes KEY=VALUE")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for noisy in ("py4j", "kafka", "alembic"):
@@ -512,7 +539,8 @@ def parse_args(argv: Sequence[str] | None = None) -> PipelineConfig:
         rows_per_batch=args.rows_per_batch,
         partitions=args.partitions, trigger_s=args.trigger, max_batches=args.max_batches,
         master=args.master,
-        spark_conf=dict(item.split("=", 1) for item in args.conf))
+        spark_conf=dict(item.split("=", 1) for item in args.conf),
+        kafka_config=dict(item.split("=", 1) for item in args.kafka_config))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -150,6 +150,24 @@ class LocalMariaDB(LocalServer):
                 self.data_dir = None
         self._url = None
 
+    def crash(self) -> None:
+        """SIGKILL the server, as a power cut would stop it (InnoDB recovers from its redo log
+        at the next start); the data stays until :meth:`stop`."""
+        if self._proc is None:
+            raise DevClusterError("crash() needs a server this process started")
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=30)
+
+    def restart(self) -> None:
+        """Start the server again on the same data and port (after :meth:`crash`, or stopping
+        it if it runs); returns once it accepts connections."""
+        if self._url is None:
+            raise DevClusterError("MariaDB is not started: call start() first")
+        self.crash()
+        self._launch()
+        self._wait_for_connections().close()
+
     def log_text(self) -> str:
         """The server's error log so far."""
         if self.data_dir is None:
@@ -187,7 +205,7 @@ class LocalMariaDB(LocalServer):
     # -- internals -------------------------------------------------------------------------
 
     def _start(self) -> None:
-        install, server = find_mariadb_binaries()
+        install, _ = find_mariadb_binaries()
         user = server_user("mariadbd", "mysql")
         if self.data_dir is None:
             self.data_dir = Path(tempfile.mkdtemp(prefix="dualwrite-mariadb-"))
@@ -206,8 +224,18 @@ class LocalMariaDB(LocalServer):
         if made.returncode != 0:
             raise DevClusterError(f"mariadb-install-db failed:\n{made.stdout}\n{made.stderr}")
         (self.port,) = free_ports(1)
+        self._launch()
+        self._wait_and_create()
+        self._url = f"mysql+pymysql://{USER}@127.0.0.1:{self.port}/{DATABASE}"
+
+    def _launch(self) -> None:
+        """Start ``mariadbd`` on the data directory and port already chosen."""
+        assert self.data_dir is not None and self.port is not None
+        _, server = find_mariadb_binaries()
+        user = server_user("mariadbd", "mysql")
+        run_as = [] if user is None else [f"--user={user.pw_name}"]
         options = [f"--{k}={v}" if v else f"--{k}" for k, v in self.settings.items()]
-        command = [str(server), "--no-defaults", f"--datadir={data}", *run_as,
+        command = [str(server), "--no-defaults", f"--datadir={self.data_dir / 'data'}", *run_as,
                    f"--port={self.port}", "--bind-address=127.0.0.1",
                    f"--socket={self.socket_path}", f"--pid-file={self.data_dir / 'mariadb.pid'}",
                    f"--log-error={self.data_dir / 'mariadb.err'}", *options]
@@ -216,12 +244,20 @@ class LocalMariaDB(LocalServer):
             stderr=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=None if self.detach else parent_death_signal())
         self.pid = self._proc.pid
-        self._wait_and_create()
-        self._url = f"mysql+pymysql://{USER}@127.0.0.1:{self.port}/{DATABASE}"
 
     def _wait_and_create(self) -> None:
         """Once the server answers on its socket (as root, whose password is empty): create
         the ``dualwrite`` user (any loopback host) and database."""
+        conn = self._wait_for_connections()
+        with conn, conn.cursor() as cur:
+            cur.execute(f"CREATE DATABASE IF NOT EXISTS {DATABASE}")
+            for host in ("127.0.0.1", "localhost"):
+                cur.execute(f"CREATE USER IF NOT EXISTS '{USER}'@'{host}'")
+                # ALL on *.*: tests create a database per test, and KILL needs no more.
+                cur.execute(f"GRANT ALL ON *.* TO '{USER}'@'{host}'")
+
+    def _wait_for_connections(self) -> Any:
+        """A root connection over the unix socket once the server accepts it."""
         import pymysql
 
         deadline = time.monotonic() + self.startup_timeout
@@ -240,9 +276,4 @@ class LocalMariaDB(LocalServer):
                         f"MariaDB did not accept connections within {self.startup_timeout} s: "
                         f"{exc}\n{self.log_text()[-3000:]}") from exc
             time.sleep(0.1)
-        with conn, conn.cursor() as cur:
-            cur.execute(f"CREATE DATABASE IF NOT EXISTS {DATABASE}")
-            for host in ("127.0.0.1", "localhost"):
-                cur.execute(f"CREATE USER IF NOT EXISTS '{USER}'@'{host}'")
-                # ALL on *.*: tests create a database per test, and KILL needs no more.
-                cur.execute(f"GRANT ALL ON *.* TO '{USER}'@'{host}'")
+        return conn

@@ -23,6 +23,7 @@ from dualwrite.dev import (
     DevClusterError,
     KafkaTarget,
     LocalKafkaCluster,
+    LocalMariaDB,
     transactional_defaults,
 )
 from dualwrite.dev._util import dualwrite_home, pid_alive
@@ -239,6 +240,30 @@ def test_postgres_answers_select_1(postgres_url: str) -> None:
             assert int(version) >= 150000
     finally:
         engine.dispose()
+
+
+def test_mariadb_restart_after_a_crash_keeps_committed_rows() -> None:
+    """``crash()`` is a SIGKILL (what the soak's database-restart fault does), ``restart()``
+    starts the server again on the same data and port: a committed row survives, a session
+    of the old server is gone, and a new one works."""
+    with LocalMariaDB() as server:
+        engine = sa.create_engine(server.url, poolclass=sa.NullPool)
+        try:
+            with engine.begin() as conn:
+                conn.exec_driver_sql("CREATE TABLE t (id INT PRIMARY KEY) ENGINE=InnoDB")
+                conn.exec_driver_sql("INSERT INTO t VALUES (1)")
+            old = engine.connect()
+            pid = server.pid
+            server.restart()
+            assert server.pid != pid and server.running()
+            assert pid is not None and not pid_alive(pid, "mariadbd")
+            with pytest.raises(sa.exc.OperationalError):
+                old.exec_driver_sql("SELECT 1")
+            old.invalidate()
+            with engine.connect() as conn:
+                assert conn.exec_driver_sql("SELECT id FROM t").scalars().all() == [1]
+        finally:
+            engine.dispose()
 
 
 def test_sqlite_url_is_a_fresh_file(sqlite_url: str, tmp_path: Path) -> None:

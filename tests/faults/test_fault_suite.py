@@ -50,7 +50,7 @@ from dualwrite.participant import (
     TxnState,
 )
 from dualwrite.writer import PhaseHooks
-from tests.support.db import private_postgres
+from tests.support.db import ensure_running, private_postgres
 from tests.support.fault_runner import (
     KINDS,
     Fault,
@@ -58,15 +58,14 @@ from tests.support.fault_runner import (
     Metrics,
     coordinator_unanswering,
     heal_brokers,
-    pg_ctl,
 )
 from tests.support.settings import KAFKA_VERSION
 from tests.support.tables import add_fault_rows_table
 from tests.support.tcp_proxy import TcpProxy
 
 WEIGHTS = {"coordinator-kill": 3, "leader-kill": 3, "broker-kill": 2, "broker-pause": 3,
-           "rolling-restart": 1, "worker-kill": 3, "postgres-restart": 2, "kafka-cut": 2,
-           "endtxn-lost": 2, "produce-held": 2, "postgres-cut": 2}
+           "rolling-restart": 1, "worker-kill": 3, "database-restart": 2, "kafka-cut": 2,
+           "endtxn-lost": 2, "produce-held": 2, "database-cut": 2}
 WORKERS = 3
 
 
@@ -108,11 +107,7 @@ def pg_proxy(fault_pg: LocalPostgres) -> Iterator[TcpProxy]:
 def _heal(cluster: LocalKafkaCluster, pg: LocalPostgres) -> None:
     """Every broker running and not paused, PostgreSQL up (after a run that failed midway)."""
     heal_brokers(cluster)
-    try:
-        pg_ctl(pg, "status")
-    except Exception:
-        assert pg.data_dir is not None
-        pg_ctl(pg, "start", "-w", "-l", str(pg.data_dir / "postgres.log"))
+    ensure_running(pg)
 
 
 def run_suite(cluster: LocalKafkaCluster, pg: LocalPostgres, proxies: list[TcpProxy],
@@ -127,7 +122,7 @@ def run_suite(cluster: LocalKafkaCluster, pg: LocalPostgres, proxies: list[TcpPr
     tids = [f"{run}-w{k}" for k in range(WORKERS)]
     runner = FaultRunner(cluster, pg, topic, tids, workdir, seed=seed,
                          protected=tids[0] if sample else None, kafka_proxies=proxies,
-                         pg_proxy=db_proxy)
+                         db_proxy=db_proxy)
     runner.heal_proxies()
     accepted = [p.accepted for p in (*proxies, db_proxy)]
     runner.start_workers()
@@ -304,7 +299,7 @@ def test_an_unanswering_coordinator_is_allowed_only_within_a_broker_fault() -> N
     error = {"type": "OutcomeUnknownError", "msg": msg, "t0": 120.0, "t": 141.0}
     kill = Fault("coordinator-kill", "broker 1", started=122.6, ended=123.3)
     assert coordinator_unanswering(error, [kill])
-    assert not coordinator_unanswering(error, [Fault("postgres-cut", "db", 122.6, 125.0)])
+    assert not coordinator_unanswering(error, [Fault("database-cut", "db", 122.6, 125.0)])
     assert not coordinator_unanswering(error, [Fault("broker-kill", "broker 3", 100.0, 102.0)])
     assert not coordinator_unanswering(error, [Fault("broker-kill", "broker 3", 150.0, 152.0)])
     other = {**error, "msg": "the database COMMIT ... has an unknown outcome"}

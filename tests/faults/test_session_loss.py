@@ -34,8 +34,8 @@ import dualwrite
 from dualwrite.dev import LocalPostgres
 from dualwrite.dev.kafka_cluster import KafkaTarget
 from dualwrite.writer import StateStore
-from tests.support.db import private_postgres
-from tests.support.fault_runner import Fault, FaultRunner, pg_ctl
+from tests.support.db import pg_ctl, private_postgres
+from tests.support.fault_runner import Fault, FaultRunner
 from tests.support.kafka import unique
 from tests.support.recipe import lapsed_lease
 from tests.support.tables import add_fault_rows_table, add_value_table

@@ -41,7 +41,8 @@ import pytest
 import dualwrite
 from dualwrite.batch.naming import transactional_id
 from dualwrite.dev import LocalKafkaCluster, LocalPostgres
-from tests.support.fault_runner import FaultRunner, heal_brokers, pg_ctl
+from tests.support.db import pg_ctl
+from tests.support.fault_runner import FaultRunner, heal_brokers
 from tests.support.settings import KAFKA_VERSION
 from tests.support.spark import Pipeline, write_source_file
 
@@ -50,7 +51,7 @@ pytest.importorskip("pyspark", reason="the Spark sink needs dualwrite[spark]")
 pytestmark = [pytest.mark.spark]
 
 SCHEDULE = ("coordinator-kill", "leader-kill", "broker-pause", "rolling-restart",
-            "postgres-restart")
+            "database-restart")
 PARTITIONS = 4
 EVENTS_PER_FILE = 50
 BACKLOG = 2

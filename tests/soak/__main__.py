@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=4, help="HTTP clients of the load")
     ap.add_argument("--no-spark", action="store_true", help="leave the Spark role out")
     ap.add_argument("--kafka-version", default=KAFKA_VERSION)
+    ap.add_argument("--db", choices=("postgresql", "mariadb"), default="postgresql",
+                    help="the database server every role writes to (default: %(default)s)")
     ap.add_argument("-v", "--verbose", action="store_true", help="the runner's INFO logs")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -44,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("kafka").setLevel(logging.CRITICAL)
     config = SoakConfig(out=args.out.resolve(), minutes=args.minutes,
                         faults=args.faults or None, seed=args.seed, clients=args.clients,
-                        spark=not args.no_spark, kafka_version=args.kafka_version)
-    print(f"soak: seed {config.seed}, up to {config.minutes:g} minutes"
+                        spark=not args.no_spark, kafka_version=args.kafka_version,
+                        database=args.db)
+    print(f"soak: seed {config.seed}, {config.database}, up to {config.minutes:g} minutes"
           + (f" or {config.faults} faults" if config.faults else "")
           + f"; report in {config.out}", flush=True)
     # SIGTERM (a CI timeout, a kill) stops the servers as Ctrl-C does.

@@ -2,9 +2,9 @@
 
 :func:`run_soak` is the whole of it; ``python -m tests.soak`` and ``tests/soak/test_soak.py``
 call it. The servers are the fault suite's (a 3-broker cluster, topic and transaction log RF 3,
-min ISR 2; a PostgreSQL server with synchronous commits), reached by the roles only through
+min ISR 2; a PostgreSQL or MariaDB server committing durably), reached by the roles only through
 :class:`~tests.support.tcp_proxy.TcpProxy` instances, so :class:`~tests.support.fault_runner.
-FaultRunner` injects the broker, proxy and PostgreSQL-restart faults; the soak adds its own
+FaultRunner` injects the broker, proxy and database-restart faults; the soak adds its own
 (delays, terminated sessions, role kills).
 """
 
@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import dualwrite
 from dualwrite.batch.naming import transactional_id
-from dualwrite.dev import LocalKafkaCluster, LocalPostgres, read_committed
+from dualwrite.dev import LocalKafkaCluster, LocalMariaDB, read_committed
 from tests.soak.consumer_role import PAYMENTS
 from tests.soak.report import SoakSummary, write_report
 from tests.soak.roles import KILLED_LINE, READY_LINE
@@ -42,11 +42,10 @@ from tests.soak.schedule import LANES, plan
 from tests.soak.service_role import ID_PREFIX
 from tests.soak.verify import Expected, run_cli, verify
 from tests.support.daemon import free_port
-from tests.support.db import private_postgres
-from tests.support.fault_runner import Fault, FaultRunner, heal_brokers, pg_ctl
+from tests.support.db import DatabaseServer, ensure_running, private_postgres, terminate_sessions
+from tests.support.fault_runner import Fault, FaultRunner, heal_brokers
 from tests.support.journal import Journal
 from tests.support.settings import KAFKA_VERSION
-from tests.support.spark import Pipeline, write_source_file
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.workers import worker_env
 
@@ -54,7 +53,7 @@ log = logging.getLogger("tests.soak")
 
 RUNNER_KINDS = frozenset({"coordinator-kill", "leader-kill", "broker-kill", "broker-pause",
                           "rolling-restart", "kafka-cut", "endtxn-lost", "produce-held",
-                          "postgres-cut", "postgres-restart"})
+                          "database-cut", "database-restart"})
 """Kinds :class:`FaultRunner` injects; the rest are the soak's."""
 SPARK_KINDS = frozenset({"spark-kill", "spark-commit-kill"})
 REQUEST_TIMEOUT_MS = 5000
@@ -71,9 +70,11 @@ class SoakConfig:
     clients: int = 4
     pool_size: int = 4
     spark: bool = True
-    spark_events_per_file: int = 200
-    spark_file_every_s: float = 4.0
+    spark_rows_per_batch: int = 200
+    spark_trigger_s: float = 4.0
     kafka_version: str = KAFKA_VERSION
+    database: str = "postgresql"
+    """``postgresql`` or ``mariadb``."""
 
 
 class Role:
@@ -223,11 +224,11 @@ class LaneFault:
 class Soak:
     """One run: the servers are given; :meth:`run` does the rest."""
 
-    def __init__(self, config: SoakConfig, cluster: LocalKafkaCluster, pg: LocalPostgres,
-                 kafka_proxies: list[TcpProxy], pg_proxy: TcpProxy) -> None:
+    def __init__(self, config: SoakConfig, cluster: LocalKafkaCluster, db: DatabaseServer,
+                 kafka_proxies: list[TcpProxy], db_proxy: TcpProxy) -> None:
         self.config = config
         self.cluster = cluster
-        self.pg = pg
+        self.db = db
         self.out = config.out
         self.journal = Journal(str(self.out / "events.jsonl"))
         self.orders_topic = cluster.create_topic("soak-orders", partitions=6)
@@ -240,19 +241,15 @@ class Soak:
         if config.spark:
             tids += [transactional_id(self.sink_id, b, p, 0) for b in (0, 1)
                      for p in range(SPARK_PARTITIONS)]
-        self.runner = FaultRunner(cluster, pg, self.orders_topic, tids, self.out,
+        self.runner = FaultRunner(cluster, db, self.orders_topic, tids, self.out,
                                   seed=config.seed, request_timeout_ms=REQUEST_TIMEOUT_MS,
-                                  kafka_proxies=kafka_proxies, pg_proxy=pg_proxy)
+                                  kafka_proxies=kafka_proxies, db_proxy=db_proxy)
         self.rng = random.Random(config.seed)
         self.faults: list[LaneFault] = []
         self._faults_lock = threading.Lock()
         self.stop_faults = threading.Event()
-        self.stop_feeding = threading.Event()
         self.service_port = free_port()
         self.metrics_port = free_port()
-        self.source = self.out / "spark-source"
-        self.stop_file = self.out / "spark-stop"
-        self.files_fed = 0
         self.scrapes: list[dict[str, Any]] = []
         self.roles = self._roles()
         self.started = time.time()
@@ -282,18 +279,20 @@ class Soak:
                 str(self.metrics_port)], self.out, self.journal),
         }
         if self.config.spark:
-            pipeline = Pipeline(bootstrap, db, self.spark_topic, self.sink_id, self.source,
-                                self.out / "spark-checkpoint", partitions=SPARK_PARTITIONS)
             timeout = str(REQUEST_TIMEOUT_MS)
-            roles["spark"] = Role("spark", lambda: pipeline.command([
-                "--follow", str(self.stop_file), "--max-restarts", "100000",
+            roles["spark"] = Role("spark", lambda: [
+                py, "-m", "tests.soak.spark_role", "--db", db, "-b", bootstrap, "--topic",
+                self.spark_topic, "--sink-id", self.sink_id, "--checkpoint",
+                str(self.out / "spark-checkpoint"), "--partitions", str(SPARK_PARTITIONS),
+                "--rows-per-batch", str(self.config.spark_rows_per_batch),
+                "--trigger", str(self.config.spark_trigger_s),
                 "--kafka-config", f"request.timeout.ms={timeout}",
-                "--kafka-config", f"socket.timeout.ms={timeout}"]), self.out, self.journal)
+                "--kafka-config", f"socket.timeout.ms={timeout}"], self.out, self.journal)
         return roles
 
     def prepare_database(self) -> None:
-        dualwrite.upgrade_database(self.pg.url)
-        engine = dualwrite.create_engine(self.pg.url)
+        dualwrite.upgrade_database(self.db.url)
+        engine = dualwrite.create_engine(self.db.url)
         try:
             PAYMENTS.metadata.create_all(engine)
             with engine.begin() as conn:
@@ -301,18 +300,6 @@ class Soak:
                     "CREATE TABLE events (event_id BIGINT PRIMARY KEY, payload TEXT)")
         finally:
             engine.dispose()
-
-    def feed_spark(self) -> None:
-        """A source file every few seconds until the faults stop, while Spark keeps up (at
-        most three files waiting: its backlog is what the end waits for)."""
-        self.source.mkdir(exist_ok=True)
-        while True:
-            written = {b for _, b, _ in spark_batches(self.roles["spark"].logs())}
-            if self.files_fed - len(written) < 3:
-                write_source_file(self.source, self.files_fed, self.config.spark_events_per_file)
-                self.files_fed += 1
-            if self.stop_feeding.wait(self.config.spark_file_every_s):
-                return
 
     def scrape_daemon(self, stop: threading.Event) -> None:
         """The daemon's pass counters every few seconds (they restart with its process)."""
@@ -396,14 +383,14 @@ class Soak:
         if kind in RUNNER_KINDS:
             made = self.runner.inject(kind)
             fault.started, fault.target, fault.returns = made.started, made.target, made.returns
-        elif kind in ("kafka-delay", "postgres-delay"):
+        elif kind in ("kafka-delay", "database-delay"):
             if kind == "kafka-delay":
                 index, what = self.runner.a_coordinator_or_any()
                 proxy = self.runner.kafka_proxies[index]
                 what += f"broker {self.cluster.nodes[index].node_id}"
             else:
-                assert self.runner.pg_proxy is not None
-                proxy, what = self.runner.pg_proxy, "database"
+                assert self.runner.db_proxy is not None
+                proxy, what = self.runner.db_proxy, "database"
             held = self.rng.uniform(1.0, 4.0)
             proxy.blackhole("both", existing_only=True)
             try:
@@ -411,8 +398,8 @@ class Soak:
             finally:
                 proxy.release()
             fault.target = f"{what}: every connection held {held:.1f} s"
-        elif kind == "postgres-sessions":
-            fault.target = f"{self.terminate_sessions()} sessions terminated"
+        elif kind == "database-sessions":
+            fault.target = f"{terminate_sessions(self.db)} sessions terminated"
         elif kind.endswith("-commit-kill"):
             self.kill_after_commit(fault, kind.removesuffix("-commit-kill"))
         elif kind.endswith("-kill"):
@@ -421,16 +408,6 @@ class Soak:
         else:
             raise ValueError(kind)
         fault.returns.append(time.time())
-
-    def terminate_sessions(self) -> int:
-        engine = sa.create_engine(self.pg.url, poolclass=sa.NullPool)
-        try:
-            with engine.connect() as conn:
-                return len(conn.exec_driver_sql(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid <> "
-                    "pg_backend_pid() AND backend_type = 'client backend'").all())
-        finally:
-            engine.dispose()
 
     def kill_after_commit(self, fault: Fault, name: str, wait_s: float = 45.0) -> None:
         """SIGKILL ``name`` right after its next database COMMIT. The service and the consumer
@@ -471,8 +448,6 @@ class Soak:
         stop_scraping = threading.Event()
         threads = [threading.Thread(target=self.scrape_daemon, args=(stop_scraping,),
                                     daemon=True)]
-        if self.config.spark:
-            threads.append(threading.Thread(target=self.feed_spark, daemon=True))
         for t in threads:
             t.start()
         for role in self.roles.values():
@@ -511,28 +486,22 @@ class Soak:
         return summary
 
     def heal(self) -> None:
-        """Every proxy forwarding, every broker up and in sync, PostgreSQL up, no role left
+        """Every proxy forwarding, every broker up and in sync, the database up, no role left
         armed to die at its next COMMIT."""
         self.runner.heal_proxies()
         heal_brokers(self.cluster)
-        try:
-            pg_ctl(self.pg, "status")
-        except subprocess.CalledProcessError:
-            assert self.pg.data_dir is not None
-            pg_ctl(self.pg, "start", "-w", "-l", str(self.pg.data_dir / "postgres.log"))
+        ensure_running(self.db)
         for role in self.roles.values():
             role.disarm()
         self.runner.wait_in_sync()
 
     def wind_down(self, healed: float) -> Expected:
-        """Stop the load, Spark's input and Spark, then the service; wait until the daemon
-        finished what they left in doubt and the consumer read every order event; stop the
-        consumer and the daemon."""
+        """Stop the load, Spark (its batch in flight finishes) and the service; wait until the
+        daemon finished what they left in doubt and the consumer read every order event; stop
+        the consumer and the daemon."""
         exits: dict[str, int | None] = {"load": self.roles["load"].stop()}
-        self.stop_feeding.set()
         if self.config.spark:
-            self.stop_file.touch()  # it writes what is left, then exits 0
-            exits["spark"] = self.roles["spark"].stop(timeout=300, asked=True)
+            exits["spark"] = self.roles["spark"].stop(timeout=180)
         exits["service"] = self.roles["service"].stop()
         began = time.monotonic()
         in_doubt = self.wait_nothing_in_doubt()
@@ -540,8 +509,7 @@ class Soak:
         consumer_behind = self.wait_consumer_caught_up()
         for name in ("consumer", "daemon"):
             exits[name] = self.roles[name].stop()
-        return Expected(spark_events=self.files_fed * self.config.spark_events_per_file
-                        if self.config.spark else 0, exits=exits, healed=healed,
+        return Expected(exits=exits, healed=healed,
                         in_doubt=in_doubt, settled_s=settled, consumer_behind=consumer_behind)
 
     def wait_nothing_in_doubt(self, timeout: float = 120.0) -> list[str]:
@@ -550,7 +518,7 @@ class Soak:
         deadline = time.monotonic() + timeout
         found: list[str] = []
         while time.monotonic() < deadline:
-            status = run_cli("status", "--db", self.pg.url, "-b",
+            status = run_cli("status", "--db", self.db.url, "-b",
                              self.cluster.bootstrap_servers)
             if status.returncode == 0:
                 return []
@@ -563,7 +531,7 @@ class Soak:
         """Until the consumer's payments match every order event a read_committed consumer
         sees, or ``timeout``: how many it is behind."""
         deadline = time.monotonic() + timeout
-        engine = dualwrite.create_engine(self.pg.url)
+        engine = dualwrite.create_engine(self.db.url)
         behind = -1
         try:
             while time.monotonic() < deadline:
@@ -614,9 +582,10 @@ def spark_restarts(text: str) -> list[tuple[float, str, str, str | None]]:
 
 
 @contextlib.contextmanager
-def servers(kafka_version: str) -> Iterator[tuple[LocalKafkaCluster, LocalPostgres,
-                                                  list[TcpProxy], TcpProxy]]:
-    """The fault suite's servers, and a proxy in front of each."""
+def servers(kafka_version: str, database: str) -> Iterator[tuple[
+        LocalKafkaCluster, DatabaseServer, list[TcpProxy], TcpProxy]]:
+    """The fault suite's servers (``database``: ``postgresql`` or ``mariadb``, each committing
+    durably), and a proxy in front of each."""
     with contextlib.ExitStack() as stack:
         cluster = stack.enter_context(LocalKafkaCluster(
             brokers=3, kafka_version=kafka_version, backend="jars", heap="512m",
@@ -625,31 +594,36 @@ def servers(kafka_version: str) -> Iterator[tuple[LocalKafkaCluster, LocalPostgr
                                                       kafka_framing=True))
                          for external, advertised in zip(cluster.external_ports,
                                                          cluster.proxy_ports, strict=True)]
-        pg = stack.enter_context(private_postgres(synchronous_commit="on"))
-        port = sa.engine.make_url(pg.url).port
+        db: DatabaseServer
+        if database == "mariadb":
+            db = stack.enter_context(LocalMariaDB(settings={
+                "innodb-flush-log-at-trx-commit": "1", "max-connections": "400"}))
+        else:
+            db = stack.enter_context(private_postgres(synchronous_commit="on"))
+        port = sa.engine.make_url(db.url).port
         assert port is not None
-        pg_proxy = stack.enter_context(TcpProxy(port))
-        yield cluster, pg, kafka_proxies, pg_proxy
+        db_proxy = stack.enter_context(TcpProxy(port))
+        yield cluster, db, kafka_proxies, db_proxy
 
 
 def run_soak(config: SoakConfig) -> SoakSummary:
     """The whole soak; its report is written to ``config.out``."""
     config.out.mkdir(parents=True, exist_ok=True)
     began = time.time()
-    with servers(config.kafka_version) as (cluster, pg, kafka_proxies, pg_proxy):
+    with servers(config.kafka_version, config.database) as (cluster, db, kafka_proxies,
+                                                            db_proxy):
         started = time.time() - began
-        soak = Soak(config, cluster, pg, kafka_proxies, pg_proxy)
+        soak = Soak(config, cluster, db, kafka_proxies, db_proxy)
         try:
             summary = soak.run()
         finally:
             soak.stop_all()
             soak.stop_faults.set()
-            soak.stop_feeding.set()
             soak.runner.heal_proxies()
             heal_brokers(cluster)
     summary.seconds = time.time() - began
     summary.figures = {"servers started": f"{started:.0f} s", **summary.figures,
-                       "Kafka": config.kafka_version}
+                       "Kafka": config.kafka_version, "database": config.database}
     events = journal_events(soak)
     with (config.out / "timeline.jsonl").open("w", encoding="utf-8") as f:
         f.writelines(json.dumps(e) + "\n" for e in events)

@@ -27,8 +27,8 @@ LANES: dict[str, Lane] = {
     # moment, or not) or held a few seconds; an EndTxn answer lost; a Produce held past the
     # request timeout; the answer to a database COMMIT lost.
     "network": Lane({"kafka-cut": 3, "kafka-delay": 2, "endtxn-lost": 2, "produce-held": 2,
-                     "postgres-cut": 3, "postgres-delay": 2}, (3.0, 8.0)),
-    "database": Lane({"postgres-restart": 2, "postgres-sessions": 3}, (8.0, 20.0)),
+                     "database-cut": 3, "database-delay": 2}, (3.0, 8.0)),
+    "database": Lane({"database-restart": 2, "database-sessions": 3}, (8.0, 20.0)),
     # SIGKILL at a random moment, or right after the role's next database COMMIT.
     "roles": Lane({"service-kill": 2, "service-commit-kill": 2, "consumer-kill": 2,
                    "consumer-commit-kill": 2, "spark-kill": 1, "spark-commit-kill": 1,

@@ -1,5 +1,6 @@
 """The soak's CI form (issue 34): ``./run.sh soak`` for three minutes of mixed faults over every
-role; its full form (``./run.sh soak``: up to 200 faults) runs by hand."""
+role, on PostgreSQL (on MariaDB with ``--mariadb-full``); its full form (``./run.sh soak``: up to
+200 faults) runs by hand."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from tests.support import REPO_ROOT
 
 
 @pytest.mark.timeout(1200)
-def test_every_role_under_mixed_faults(tmp_path: Path,
+@pytest.mark.parametrize("db", ["postgresql",
+                                pytest.param("mariadb", marks=pytest.mark.mariadb_full)])
+def test_every_role_under_mixed_faults(db: str, tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
-    out = Path(os.environ.get("DUALWRITE_SOAK_DIR") or tmp_path)
+    out = Path(os.environ.get("DUALWRITE_SOAK_DIR") or tmp_path) / db
     cmd = ["bash", str(REPO_ROOT / "run.sh"), "soak", "--faults", "0", "--out", str(out),
-           "--minutes", os.environ.get("DUALWRITE_SOAK_MINUTES", "3")]
+           "--db", db, "--minutes", os.environ.get("DUALWRITE_SOAK_MINUTES", "3")]
     if os.environ.get("DUALWRITE_SOAK_SEED"):
         cmd += ["--seed", os.environ["DUALWRITE_SOAK_SEED"]]
     # This interpreter's virtualenv, as it is.
@@ -43,3 +46,4 @@ def test_every_role_under_mixed_faults(tmp_path: Path,
     assert all(summary["transactions"][r] > 0 for r in ("service", "consumer", "spark",
                                                         "daemon"))
     assert "<svg" in (out / "report.html").read_text(encoding="utf-8")
+    assert summary["figures"]["database"] == db

@@ -8,8 +8,10 @@ The invariant, each part an anomaly count that must be 0:
   saw acknowledged (``201``) has both;
 - consumer: every order event was consumed exactly once (one ``soak_payments`` row), and every
   payment row has exactly one ``paid`` record and every record a row;
-- Spark: every event fed is exactly once in the table and exactly once in its topic; no prepared
-  database transaction left;
+- Spark: every order of every batch the sink decided (the generator's ids ``0 .. (last batch +
+  1) * rows - 1``) is exactly once in the table and exactly once in its topic, nothing else is;
+  every batch the pipeline reported committed was decided; no prepared database transaction
+  left;
 - nothing open or hanging in Kafka; ``dualwrite recover`` and ``dualwrite status`` clean;
 - only dualwrite's errors reached an application (anything else: ``foreign``), and every role
   completed work again after the last fault.
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import dualwrite
+from dualwrite.batch.decision_log import DecisionLog
 from tests.soak.kafka_tools import console_consume, find_hanging, list_transactions
 from tests.soak.report import SoakSummary
 from tests.soak.roles import UNCAUGHT
@@ -41,14 +44,14 @@ if TYPE_CHECKING:
 
 OPEN_STATES = frozenset({"Ongoing", "PrepareCommit", "PrepareAbort", "PrepareEpochFence"})
 _UNCAUGHT = re.compile(rf"^{UNCAUGHT} (\S+) (\S+)$", re.M)
+SPARK_TABLE = "orders_enriched"
+"""The orders pipeline's table (spark/orders_pipeline.py)."""
 GRACE_S = 30.0
 """After the faults healed, how long a request may still go unanswered (a client's wait)."""
 
 
 @dataclass
 class Expected:
-    spark_events: int
-    """Events fed to Spark: ids 0 .. spark_events - 1."""
     exits: dict[str, int | None]
     """Each role's exit code when stopped (SIGTERM)."""
     healed: float
@@ -99,15 +102,15 @@ def verify(soak: Soak, expected: Expected, stalled: list[str]) -> SoakSummary:
     figures["daemon after the roles stopped"] = f"nothing in doubt after {expected.settled_s:.0f} s"
     tally.check("order events the consumer had not read when stopped",
                 [f"{expected.consumer_behind} behind"] if expected.consumer_behind > 0 else [])
-    recover = run_cli("recover", "--db", soak.pg.url, "-b", bootstrap, "--json")
+    recover = run_cli("recover", "--db", soak.db.url, "-b", bootstrap, "--json")
     figures["dualwrite recover"] = f"exit {recover.returncode}"
     tally.check("dualwrite recover exit code not 0", [f"exit {recover.returncode}: "
                 f"{(recover.stdout + recover.stderr)[-2000:]}"] if recover.returncode else [])
-    status = run_cli("status", "--db", soak.pg.url, "-b", bootstrap, "--json")
+    status = run_cli("status", "--db", soak.db.url, "-b", bootstrap, "--json")
     tally.check("dualwrite status after recover not clean", [
         f"exit {status.returncode}: {status.stdout[-2000:]}"] if status.returncode else [])
 
-    engine = dualwrite.create_engine(soak.pg.url)
+    engine = dualwrite.create_engine(soak.db.url)
     try:
         with engine.connect() as conn:
             rows = [r[0] for r in conn.exec_driver_sql("SELECT order_id FROM http_orders")]
@@ -115,8 +118,11 @@ def verify(soak: Soak, expected: Expected, stalled: list[str]) -> SoakSummary:
                 "SELECT order_id, amount_cents FROM soak_payments")]
             payments = [o for o, _ in payment_amounts]
             spark_rows = [str(r[0]) for r in conn.exec_driver_sql(
-                "SELECT event_id FROM events")]
-            prepared = [r[0] for r in conn.exec_driver_sql("SELECT gid FROM pg_prepared_xacts")]
+                f"SELECT order_id FROM {SPARK_TABLE}")] if config.spark else []
+            prepared = [str(r[-1]) for r in conn.exec_driver_sql(
+                "SELECT gid FROM pg_prepared_xacts" if conn.dialect.name == "postgresql"
+                else "XA RECOVER")]
+        decided = DecisionLog(engine).read(soak.sink_id) if config.spark else None
     finally:
         engine.dispose()
 
@@ -167,16 +173,23 @@ def verify(soak: Soak, expected: Expected, stalled: list[str]) -> SoakSummary:
     transactions = {"service": len(acked), "consumer": len(payments)}
     if config.spark:
         spark = read[soak.spark_topic].result()
-        spark_ids = [str(json.loads(r.value)["event_id"]) for r in spark]
-        fed = {str(i) for i in range(expected.spark_events)}
-        tally.check("spark events lost", fed - set(spark_ids))
+        spark_ids = [str(json.loads(r.value)["order_id"]) for r in spark]
+        tally.check("spark records whose key is not their order id",
+                    [f"{r.key} {r.value}" for r in spark
+                     if r.key != str(json.loads(r.value)["order_id"])])
+        batches = 0 if decided is None else decided.last_batch_id + 1
+        generated = {str(i) for i in range(batches * config.spark_rows_per_batch)}
+        tally.check("spark orders of decided batches lost", generated - set(spark_ids))
         tally.check("spark records duplicated", duplicated(spark_ids))
-        tally.check("spark records not fed", set(spark_ids) - fed)
+        tally.check("spark records of no decided batch", set(spark_ids) - generated)
         tally.check("spark rows != records", set(spark_rows) ^ set(spark_ids))
         tally.check("spark rows duplicated", duplicated(spark_rows))
-        transactions["spark"] = len(spark_batches(soak.roles["spark"].logs()))
-        figures["spark"] = (f"{expected.spark_events} events fed, {len(spark_ids)} records, "
-                            f"{len(spark_rows)} rows")
+        reported = spark_batches(soak.roles["spark"].logs())
+        tally.check("spark batches reported committed but not decided",
+                    {b for _, b, _ in reported if b >= batches})
+        transactions["spark"] = len(reported)
+        figures["spark"] = (f"{batches} batches decided ({len(generated)} orders), "
+                            f"{len(spark_ids)} records, {len(spark_rows)} rows")
     tally.check("prepared database transactions left", prepared)
 
     listed = listing.result()
@@ -235,12 +248,17 @@ def role_errors(soak: Soak) -> tuple[dict[str, Counter[str]], list[str]]:
         restarts = spark_restarts(text)
         for _, kind, family, _ in restarts:
             errors.setdefault("spark", Counter())[f"{kind} ({family})"] += 1
+        for m in _UNCAUGHT.finditer(text):  # the start failed; the supervisor started it again
+            errors.setdefault("spark", Counter())[
+                f"{m.group(1).rsplit('.', 1)[-1]} ({m.group(2)}, at start)"] += 1
         foreign += [f"spark: {m.group(0)}" for m in re.finditer(r"^(FOREIGN|GAVE-UP) .*$",
                                                                    text, re.M)]
         # A task's own error, reported inside BatchTasksFailedError: dualwrite's, or foreign.
         foreign += [f"spark: a task raised {task}" for _, _, _, task in restarts
                     if task is not None and dualwrite_error_class(task) is None]
-    for name in ("service", "consumer", "load"):
+    for name in ("service", "consumer", "load", "spark"):
+        if name not in soak.roles:
+            continue
         foreign += [f"{name}: uncaught {m.group(1)}" for m in
                     _UNCAUGHT.finditer(soak.roles[name].logs()) if m.group(2) == "foreign"]
     return errors, foreign
@@ -248,8 +266,9 @@ def role_errors(soak: Soak) -> tuple[dict[str, Counter[str]], list[str]]:
 
 def unexplained_exits(soak: Soak) -> list[str]:
     """Role processes that ended but were not SIGKILLed by a fault: a service that failed to
-    start (its uvicorn's exit 3, the error typed: ``SOAK-UNCAUGHT`` lines are checked) and a
-    Spark driver that gave up (``FOREIGN``/``GAVE-UP``, counted apart) excepted."""
+    start (its uvicorn's exit 3, the error typed: ``SOAK-UNCAUGHT`` lines are checked), a Spark
+    driver whose start failed on a dualwrite error, and one that gave up (``FOREIGN``/
+    ``GAVE-UP``, counted apart) excepted."""
     from tests.soak.runner import journal_lines
 
     found = []
@@ -260,6 +279,10 @@ def unexplained_exits(soak: Soak) -> list[str]:
         if e["role"] == "service" and "Application startup failed" in text:
             continue
         if e["role"] == "spark" and re.search(r"^(FOREIGN|GAVE-UP) ", text, re.M):
+            continue
+        # The pipeline's start (its table, its topic, the sink) failed on a typed error.
+        if e["role"] == "spark" and any(m.group(2) != "foreign"
+                                        for m in _UNCAUGHT.finditer(text)):
             continue
         found.append(f"{e['role']} #{e['incarnation']}: {e['reason']}")
     return found

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,7 +17,7 @@ import sqlalchemy as sa
 import dualwrite
 from dualwrite.batch.prepared_writes import PreparedTransactions
 from dualwrite.database import normalize_url
-from dualwrite.dev import LocalPostgres
+from dualwrite.dev import LocalMariaDB, LocalPostgres
 from dualwrite.dev.postgres_cluster import find_postgres_bindir, postgres_server_account
 
 
@@ -96,6 +97,63 @@ def pg_ctl(pg: LocalPostgres, *args: str) -> None:
     subprocess.run([str(find_postgres_bindir() / "pg_ctl"), *args, "-D",
                     str(pg.data_dir / "pgdata")], check=True, capture_output=True, timeout=60,
                    **run_as)
+
+
+DatabaseServer = LocalPostgres | LocalMariaDB
+"""A database server a test started and may stop at once (the fault runner's, the soak's)."""
+
+
+def crash_and_restart(db: DatabaseServer, down_s: float) -> None:
+    """Stop ``db`` at once, with no shutdown (PostgreSQL: ``pg_ctl stop -m immediate``, WAL
+    replayed at the next start; MariaDB: SIGKILL, its redo log replayed), ``down_s`` seconds
+    down, then start it again on the same data and port."""
+    if isinstance(db, LocalMariaDB):
+        db.crash()
+        time.sleep(down_s)
+        db.restart()
+        return
+    pg_ctl(db, "stop", "-m", "immediate", "-w")
+    time.sleep(down_s)
+    assert db.data_dir is not None
+    pg_ctl(db, "start", "-w", "-l", str(db.data_dir / "postgres.log"))
+
+
+def ensure_running(db: DatabaseServer) -> None:
+    """``db`` up again if a fault left it down."""
+    if isinstance(db, LocalMariaDB):
+        if not db.running():
+            db.restart()
+        return
+    try:
+        pg_ctl(db, "status")
+    except subprocess.CalledProcessError:
+        assert db.data_dir is not None
+        pg_ctl(db, "start", "-w", "-l", str(db.data_dir / "postgres.log"))
+
+
+def terminate_sessions(db: DatabaseServer) -> int:
+    """End every client session of ``db`` but this one (``pg_terminate_backend``, MariaDB's
+    ``KILL CONNECTION``); how many."""
+    engine = sa.create_engine(db.url, poolclass=sa.NullPool)
+    try:
+        with engine.connect() as conn:
+            if isinstance(db, LocalPostgres):
+                return len(conn.exec_driver_sql(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid <> "
+                    "pg_backend_pid() AND backend_type = 'client backend'").all())
+            sessions = conn.exec_driver_sql(
+                "SELECT id FROM information_schema.processlist WHERE id <> CONNECTION_ID() "
+                "AND command <> 'Daemon' AND user <> 'system user'").scalars().all()
+            killed = 0
+            for session in sessions:
+                try:
+                    conn.exec_driver_sql(f"KILL CONNECTION {int(session)}")
+                    killed += 1
+                except sa.exc.OperationalError:  # it ended meanwhile (unknown thread id)
+                    pass
+            return killed
+    finally:
+        engine.dispose()
 
 
 @contextmanager

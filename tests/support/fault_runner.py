@@ -34,20 +34,20 @@ import sqlalchemy as sa
 from confluent_kafka.admin import AdminClient
 
 import dualwrite
-from dualwrite.dev import LocalKafkaCluster, LocalPostgres, read_committed
-from dualwrite.dev.postgres_cluster import find_postgres_bindir
+from dualwrite.dev import LocalKafkaCluster, read_committed
 from dualwrite.participant import ControlPlane, TxnState
+from tests.support.db import DatabaseServer, crash_and_restart
 from tests.support.tcp_proxy import TcpProxy, contains, kafka_api
 from tests.support.workers import FAULT_WORKER, worker_env
 
 log = logging.getLogger("tests.fault_suite")
 
 KINDS = ("coordinator-kill", "leader-kill", "broker-kill", "broker-pause", "rolling-restart",
-         "worker-kill", "postgres-restart", "kafka-cut", "endtxn-lost", "produce-held",
-         "postgres-cut")
+         "worker-kill", "database-restart", "kafka-cut", "endtxn-lost", "produce-held",
+         "database-cut")
 BROKER_KINDS = ("coordinator-kill", "leader-kill", "broker-kill", "broker-pause",
                 "rolling-restart")
-PROXY_KINDS = ("kafka-cut", "endtxn-lost", "produce-held", "postgres-cut")
+PROXY_KINDS = ("kafka-cut", "endtxn-lost", "produce-held", "database-cut")
 """Faults made by the proxies; they need a runner given them."""
 PRODUCE, END_TXN = 0, 26  # Kafka API keys
 TXN_LOG = "__transaction_state"
@@ -66,7 +66,7 @@ def _commit_lost_with_the_database(error: dict[str, Any], faults: list[Fault],
     leaves the Kafka transaction open and its next transaction, or recovery, finishes it from the
     state row; the invariant checks below still hold it to rows == records."""
     return error["type"] == "OutcomeUnknownError" and any(
-        f.kind in ("postgres-restart", "postgres-cut")
+        f.kind in ("database-restart", "database-cut")
         and f.started - 0.5 <= error["t"] <= f.ended + timeout_s for f in faults)
 
 
@@ -87,18 +87,6 @@ def coordinator_unanswering(error: dict[str, Any], faults: list[Fault]) -> bool:
     began = float(error.get("t0", error["t"]))
     return any(f.kind in _BROKER_STOPPING and f.started <= error["t"]
                and max(f.ended, f.started) >= began - 0.5 for f in faults)
-
-
-def pg_ctl(pg: LocalPostgres, *args: str) -> None:
-    """Run ``pg_ctl`` on ``pg``'s cluster as the owner of its data directory."""
-    assert pg.data_dir is not None
-    pgdata = pg.data_dir / "pgdata"
-    owner = pgdata.stat().st_uid
-    run_as: dict[str, Any] = {}
-    if os.geteuid() == 0 and owner != 0:
-        run_as = {"user": owner, "group": pgdata.stat().st_gid, "extra_groups": []}
-    subprocess.run([str(find_postgres_bindir() / "pg_ctl"), *args, "-D", str(pgdata)],
-                   check=True, capture_output=True, timeout=60, **run_as)
 
 
 def heal_brokers(cluster: LocalKafkaCluster) -> None:
@@ -184,21 +172,21 @@ class WorkerProcess:
 class FaultRunner:
     """Workers on one topic, faults on the cluster, the database and the workers."""
 
-    def __init__(self, cluster: LocalKafkaCluster, pg: LocalPostgres, topic: str,
+    def __init__(self, cluster: LocalKafkaCluster, db: DatabaseServer, topic: str,
                  tids: list[str], workdir: Path, *, seed: int, timeout_s: float = 20.0,
                  request_timeout_ms: int = 5000, protected: str | None = None,
-                 kafka_proxies: Sequence[TcpProxy] = (), pg_proxy: TcpProxy | None = None) -> None:
+                 kafka_proxies: Sequence[TcpProxy] = (), db_proxy: TcpProxy | None = None) -> None:
         self.cluster = cluster
-        self.pg = pg
-        self.db_url = pg.url
+        self.db = db
+        self.db_url = db.url
         """The runner's own way to the database (recovery, the invariant): never cut."""
         self.kafka_proxies = list(kafka_proxies)
         """``kafka_proxies[i]`` forwards broker ``i``'s advertised EXTERNAL port to it."""
-        self.pg_proxy = pg_proxy
+        self.db_proxy = db_proxy
         self.worker_bootstrap = (",".join(p.address for p in self.kafka_proxies)
                                  or cluster.bootstrap_servers)
-        self.worker_db_url = pg.url if pg_proxy is None else sa.engine.make_url(pg.url).set(
-            port=pg_proxy.port).render_as_string(hide_password=False)
+        self.worker_db_url = db.url if db_proxy is None else sa.engine.make_url(db.url).set(
+            port=db_proxy.port).render_as_string(hide_password=False)
         self.topic = topic
         self.tids = tids
         self.workdir = workdir
@@ -298,7 +286,7 @@ class FaultRunner:
 
     def heal_proxies(self) -> None:
         """Every proxy forwarding again: rules disarmed, nothing refused or held."""
-        for proxy in (*self.kafka_proxies, *([self.pg_proxy] if self.pg_proxy else [])):
+        for proxy in (*self.kafka_proxies, *([self.db_proxy] if self.db_proxy else [])):
             proxy.disarm()
             proxy.refuse(False)
             proxy.release()
@@ -383,12 +371,9 @@ class FaultRunner:
             self.spawn(tid, w.instance + 1)
             fault.instance = w.instance + 1
             fault.returns.append(time.time())
-        elif kind == "postgres-restart":
+        elif kind == "database-restart":
             fault.target = "immediate"
-            pg_ctl(self.pg, "stop", "-m", "immediate", "-w")
-            time.sleep(self.rng.uniform(0.5, 2.0))
-            assert self.pg.data_dir is not None
-            pg_ctl(self.pg, "start", "-w", "-l", str(self.pg.data_dir / "postgres.log"))
+            crash_and_restart(self.db, self.rng.uniform(0.5, 2.0))
             fault.returns.append(time.time())
         elif kind in PROXY_KINDS:
             self.inject_through_proxy(fault)
@@ -406,7 +391,7 @@ class FaultRunner:
 
     def inject_through_proxy(self, fault: Fault) -> None:
         """The faults made by the proxies; ``fault.returns`` is when traffic flowed again."""
-        if not self.kafka_proxies or self.pg_proxy is None:
+        if not self.kafka_proxies or self.db_proxy is None:
             raise ValueError(f"{fault.kind} needs the runner's proxies")
         refusing = self.rng.uniform(0.5, 3.0) if self.rng.random() < 0.5 else 0.0
         if fault.kind == "kafka-cut":
@@ -434,12 +419,12 @@ class FaultRunner:
             proxy.release()
             fault.target = (f"leader broker {self.cluster.nodes[index].node_id}, "
                             + (f"held {held:.1f} s" if caught else "no Produce in 15 s"))
-        elif fault.kind == "postgres-cut":
+        elif fault.kind == "database-cut":
             # Half the time at a COMMIT: forwarded, its answer lost (an unknown outcome).
             at_commit = self.rng.random() < 0.5
-            seen = at_commit and self.pg_proxy.drop_next_response(contains(b"COMMIT")).wait(15)
-            self.pg_proxy.disarm()
-            cut = self.cut(self.pg_proxy, refusing)
+            seen = at_commit and self.db_proxy.drop_next_response(contains(b"COMMIT")).wait(15)
+            self.db_proxy.disarm()
+            cut = self.cut(self.db_proxy, refusing)
             fault.target = (("after a COMMIT, " if seen else "any moment, ")
                             + f"{cut} cut, refused {refusing:.1f} s")
         fault.returns.append(time.time())

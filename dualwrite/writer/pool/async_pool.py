@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
 from dualwrite.database import create_engine
+from dualwrite.database.backends import MariaDB
 from dualwrite.errors import (
     DatabaseUnreachableError,
     FatalError,
@@ -31,9 +32,15 @@ _T = TypeVar("_T")
 _P = ParamSpec("_P")
 
 
+#: Async drivers of MariaDB (and MySQL), whose URLs get PyMySQL under the same dialect name.
+_ASYNC_MYSQL_DRIVERS = frozenset({"aiomysql", "asyncmy"})
+
+
 def sync_engine_for(engine: AsyncEngine | Engine | str | sa.URL) -> Engine:
     """A dualwrite engine on the database of ``engine``: an async engine's URL with its sync
-    driver (``postgresql+psycopg`` serves both; ``sqlite+aiosqlite`` becomes ``sqlite``)."""
+    driver (``postgresql+psycopg`` serves both, ``+asyncpg`` becomes it; ``sqlite+aiosqlite``
+    becomes ``sqlite``; ``mysql+aiomysql`` / ``+asyncmy`` become ``mysql+pymysql``, and the
+    same for ``mariadb+…``)."""
     if isinstance(engine, Engine):
         return engine
     url = sa.make_url(engine) if isinstance(engine, str | sa.URL) else engine.url
@@ -41,6 +48,9 @@ def sync_engine_for(engine: AsyncEngine | Engine | str | sa.URL) -> Engine:
         url = url.set(drivername="sqlite")
     elif url.drivername in ("postgresql+asyncpg", "postgresql+psycopg_async"):
         url = url.set(drivername="postgresql+psycopg")
+    elif (url.get_backend_name() in MariaDB.dialects
+          and url.get_driver_name() in _ASYNC_MYSQL_DRIVERS):
+        url = url.set(drivername=f"{url.get_backend_name()}+pymysql")
     return create_engine(url)
 
 
@@ -112,7 +122,8 @@ class AsyncDualWriterPool:
     """:class:`DualWriterPool` for asyncio: ``async with pool.transaction() as tx:``.
 
     ``engine``: an async SQLAlchemy engine, an engine, or a URL; dualwrite runs its own sync
-    psycopg (or sqlite3) connections on the same database (:func:`sync_engine_for`). Other
+    psycopg (sqlite3, PyMySQL) connections on the same database (:func:`sync_engine_for`:
+    asyncpg, psycopg async, aiosqlite, aiomysql and asyncmy engines are understood). Other
     keywords as for :class:`DualWriterPool` (``group_commit`` the same).
 
     Threads, not an async Kafka client or async driver: the recipe's waits (the row lock, the

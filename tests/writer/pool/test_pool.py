@@ -19,6 +19,8 @@ import sqlalchemy as sa
 
 import dualwrite
 from dualwrite import DualWriterPool, ProducerFencedError, TwoPhaseProducer
+from dualwrite.database.backends import backend_for
+from dualwrite.writer.pool import sync_engine_for
 from tests.support import REPO_ROOT
 from tests.support.kafka import read_committed, unique
 from tests.support.tables import EVERY_BACKEND, add_value_table
@@ -468,17 +470,66 @@ def test_a_pool_whose_slot_session_died_gives_up_ids_another_pool_took(
 
 def _async_url(url: str) -> str:
     """The application's async form of a test database URL."""
-    return url.replace("sqlite:", "sqlite+aiosqlite:", 1) if url.startswith("sqlite:") else url
+    if url.startswith("sqlite:"):
+        return url.replace("sqlite:", "sqlite+aiosqlite:", 1)
+    if url.startswith(("mysql+pymysql:", "mariadb+pymysql:")):
+        return url.replace("+pymysql:", "+aiomysql:", 1)
+    return url
 
 
-# No async MariaDB driver is installed (aiomysql, asyncmy): PostgreSQL and SQLite only.
-@pytest.mark.parametrize("backend", ["postgresql", "sqlite"], indirect=True)
+@pytest.mark.unit
+@pytest.mark.parametrize("async_url, sync_driver", [
+    ("postgresql+asyncpg://u:pw@h:5433/db", "postgresql+psycopg"),
+    ("postgresql+psycopg_async://u:pw@h:5433/db", "postgresql+psycopg"),
+    ("sqlite+aiosqlite:///x.db", "sqlite"),
+    ("mysql+aiomysql://u:pw@h:3307/db", "mysql+pymysql"),
+    ("mysql+asyncmy://u:pw@h:3307/db", "mysql+pymysql"),
+    ("mariadb+aiomysql://u:pw@h:3307/db", "mariadb+pymysql"),
+    ("mariadb+asyncmy://u:pw@h:3307/db", "mariadb+pymysql"),
+])
+def test_sync_engine_for_an_async_url_takes_the_sync_driver_of_its_database(
+        async_url: str, sync_driver: str) -> None:
+    """Each async driver's URL becomes dualwrite's sync driver on the same database (dialect,
+    user, password, host, port, database kept); an asyncmy URL needs no asyncmy installed."""
+    engine = sync_engine_for(async_url)
+    try:
+        assert not engine.dialect.is_async
+        want = sa.make_url(async_url).set(drivername=sync_driver)
+        assert engine.url.render_as_string(hide_password=False) == \
+            want.render_as_string(hide_password=False)
+        if sync_driver.endswith("+pymysql"):
+            assert backend_for(engine).name == "mariadb"
+            assert engine.dialect.name == sync_driver.split("+")[0]
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.unit
+def test_sync_engine_for_an_aiomysql_async_engine_is_pymysql() -> None:
+    """An application's aiomysql ``AsyncEngine`` (what examples/http_service.py hands the
+    pool on MariaDB) gives a PyMySQL engine on the same server and database."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    app_engine = create_async_engine("mariadb+aiomysql://app:pw@db.example:3307/shop")
+    engine = sync_engine_for(app_engine)
+    try:
+        assert (engine.url.drivername, engine.url.host, engine.url.port, engine.url.database,
+                engine.url.password) == ("mariadb+pymysql", "db.example", 3307, "shop", "pw")
+        assert not engine.dialect.is_async
+    finally:
+        engine.dispose()
+        app_engine.sync_engine.dispose()
+
+
+@pytest.mark.parametrize("backend", [
+    "postgresql", "sqlite", pytest.param("mariadb", marks=pytest.mark.mariadb_full)],
+    indirect=True)
 def test_async_pool_takes_an_async_engine(db_url: str, engine: sa.Engine, bootstrap: str,
                                           topic: str) -> None:
     """An application's own ``AsyncEngine`` (psycopg 3 async on PostgreSQL, aiosqlite on
-    SQLite) is what it hands the pool: ``await tx.connection.execute(...)`` writes in the
-    request's transaction, a request whose block raises leaves neither row nor record, and the
-    application's engine reads what the requests committed."""
+    SQLite, aiomysql on MariaDB) is what it hands the pool: ``await tx.connection.execute(...)``
+    writes in the request's transaction, a request whose block raises leaves neither row nor
+    record, and the application's engine reads what the requests committed."""
     import asyncio
 
     from sqlalchemy.ext.asyncio import create_async_engine
