@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from py4j.protocol import Py4JError
-from pyspark.errors import PySparkException
+from pyspark.errors import AnalysisException, PySparkException
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from sqlalchemy import Engine
@@ -182,7 +182,14 @@ class ExactlyOnceSink:
         else:
             value = F.to_json(F.struct(*[F.col(c) for c in df.columns]))
         table = [F.col(c) for c in (self._table_columns or ())]
-        return df.select(key.alias(KEY), value.alias(VALUE), *table)
+        try:
+            return df.select(key.alias(KEY), value.alias(VALUE), *table)
+        except AnalysisException as exc:  # Spark resolves the columns here, on the driver
+            raise ConfigurationError(
+                f"sink {self.sink_id}: the batch's columns {df.columns} do not give the sink's "
+                f"key_column={self.key_column!r}, value_column={self.value_column!r}, "
+                f"table_columns={list(self._table_columns or ())}: "
+                f"{str(exc).splitlines()[0][:300]}") from exc
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         coordinator = self._start(df)
@@ -211,7 +218,10 @@ class ExactlyOnceSink:
                         self.database_url if self.target_table else None, self.target_table,
                         self._table_columns or (), self._timeout_s, self._write_once)
         prepared = self._prepare(df)
-        prepared = prepared.coalesce(self._tasks(df))  # no-op when the batch has fewer partitions
+        try:  # no-op when the batch has fewer partitions
+            prepared = prepared.coalesce(self._tasks(df))
+        except (PySparkException, Py4JError) as exc:
+            raise tasks_failed(exc, self.sink_id, batch_id, self.topic) from exc
         for attempt in range(1, self._batch_attempts + 1):
             try:
                 rows = prepared.mapInArrow(functools.partial(write_partition, plan),
