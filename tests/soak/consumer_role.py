@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 
 import dualwrite as dw
-from tests.soak.roles import KillAfterDatabaseCommit, on_sigterm, report_uncaught
+from tests.soak.roles import KillAfterDatabaseCommit, on_sigterm, report_uncaught, role_logging
 from tests.support.journal import Journal
 
 PAYMENTS = sa.Table("soak_payments", sa.MetaData(),
@@ -67,6 +67,7 @@ def main() -> int:
     ap.add_argument("--journal", required=True)
     args = ap.parse_args()
     report_uncaught()
+    role_logging()
     journal = Journal(args.journal)
     batches = Batches(journal)
     hooks = KillAfterDatabaseCommit(batches.committed)

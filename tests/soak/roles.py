@@ -3,6 +3,7 @@ database COMMIT once SIGUSR1 armed it, and SIGTERM as a request to stop."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -68,6 +69,14 @@ def report_uncaught() -> None:
 
     sys.excepthook = hook
     threading.excepthook = thread_hook
+
+
+def role_logging() -> None:
+    """Timestamped log lines, dualwrite's lifecycle lines (INFO: transactional id, producer id,
+    epoch) among them: what a failed verdict is read against."""
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("dualwrite").setLevel(logging.INFO)
 
 
 def on_sigterm(stop: Callable[[], None]) -> None:

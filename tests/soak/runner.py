@@ -274,7 +274,7 @@ class Soak:
                 self.group, "--journal", str(self.out / "consumer.jsonl")],
                 self.out, self.journal),
             "daemon": Role("daemon", lambda: [
-                py, "-m", "dualwrite.cli", "recover", "--db", db, "-b", bootstrap,
+                py, "-m", "dualwrite.cli", "-v", "recover", "--db", db, "-b", bootstrap,
                 "--watch", "5", "--max-backoff", "10", "--metrics-port",
                 str(self.metrics_port)], self.out, self.journal),
         }

@@ -16,7 +16,7 @@ import uvicorn
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tests.soak.roles import UNCAUGHT, KillAfterDatabaseCommit, report_uncaught
+from tests.soak.roles import UNCAUGHT, KillAfterDatabaseCommit, report_uncaught, role_logging
 from tests.support import example
 from tests.support.journal import family
 
@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=4)
     args = ap.parse_args()
     report_uncaught()
+    role_logging()
     logging.getLogger("uvicorn.error").addHandler(UvicornErrors())
     url = f"http://127.0.0.1:{args.port}"
     app = example("http_service").make_app(args.db, args.bootstrap, args.topic, args.size,
