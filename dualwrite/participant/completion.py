@@ -179,11 +179,29 @@ class Completion:
         whoever fenced it, so nothing is ended and :class:`ProducerFencedError` is raised.
         """
         tid = transactional_id
+        first = prefetched.descriptions.get(tid) if prefetched is not None else None
+        acting_on: tuple[int, int, int | None] | None = None
         for attempt in range(_RACE_ATTEMPTS):
             hint = prefetched if attempt == 0 else None
             desc = self._wait_until_settled(tid, hint)
             if desc is None or desc.state is not TxnState.ONGOING:
                 return None, desc
+            # Only the transaction first seen is ended here: the caller decided from that view,
+            # under its locks. One that began since (the first one settled, or an EndTxn was
+            # fenced and the id described again) is someone else's: a writer that claimed the
+            # id after the caller's locks were lost (a terminated session frees them at once,
+            # while the caller goes on). Ending it would abort a transaction its writer may be
+            # about to decide to commit (a heuristic abort the soak found).
+            seen = (desc.producer_id, desc.epoch, desc.start_time_ms)
+            if acting_on is None and first is not None and first.state is not TxnState.ONGOING:
+                acting_on = (first.producer_id, first.epoch, None)  # it settled: not this one
+            if acting_on is not None and seen != acting_on:
+                raise RetriableError(
+                    f"transactional id {tid!r}: another transaction (producer_id="
+                    f"{desc.producer_id} epoch={desc.epoch}) began while this one ended it; "
+                    "whoever began it acts on the id now, so nothing more is done here: retry "
+                    "(recovery finishes it at a later pass if it is left in doubt)")
+            acting_on = seen
             if only_identity is not None and (desc.producer_id, desc.epoch) != (
                     only_identity.producer_id, only_identity.epoch):
                 raise ProducerFencedError(
