@@ -186,12 +186,11 @@ class Completion:
             desc = self._wait_until_settled(tid, hint)
             if desc is None or desc.state is not TxnState.ONGOING:
                 return None, desc
-            # Only the transaction first seen is ended here: the caller decided from that view,
-            # under its locks. One that began since (the first one settled, or an EndTxn was
-            # fenced and the id described again) is someone else's: a writer that claimed the
-            # id after the caller's locks were lost (a terminated session frees them at once,
-            # while the caller goes on). Ending it would abort a transaction its writer may be
-            # about to decide to commit (a heuristic abort the soak found).
+            # Only the transaction first seen is ended: the caller decided from that view, under
+            # its locks. One begun since (the first settled, or an EndTxn was fenced) is a
+            # writer's that claimed the id once those locks were gone (a terminated session
+            # frees them while the caller goes on), and it may be deciding to commit it
+            # (docs/design.md, "Claims").
             seen = (desc.producer_id, desc.epoch, desc.start_time_ms)
             if acting_on is None and first is not None and first.state is not TxnState.ONGOING:
                 acting_on = (first.producer_id, first.epoch, None)  # it settled: not this one
