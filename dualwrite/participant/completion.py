@@ -211,6 +211,9 @@ class Completion:
             if self.names_open_transaction(desc, state, hint):
                 if owner_alive is not None and owner_alive():
                     self._wait_for_live_owner(tid, state, owner_alive)
+                    # A fresh view: the caller waited for the owner, its locks held, and may end
+                    # the owner's next transaction (a take-over fences it).
+                    first = acting_on = None
                     continue
                 log.info("commit in-doubt transaction transactional_id=%s producer_id=%d "
                          "epoch=%d state=%s", tid, desc.producer_id, desc.epoch, state)
