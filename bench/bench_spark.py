@@ -12,6 +12,11 @@ partitions with ``key`` = the id as a string and ``value`` = the id left-padded 
    one ``COPY`` per task into the table (the sink's own COPY code), not atomic (PostgreSQL only);
 4. ``floor``: no sink, only what any Python sink pays: the rows cross to PySpark's Python workers
    through ``mapInArrow`` and become Python bytes (``to_pylist``), as the sink's tasks do;
+4a. ``copy``: no Kafka at all: the rows cross to Python and each task COPYs them into a table of
+   the same shape, committed (PostgreSQL only). ``copy`` minus ``floor`` is what the database
+   costs to take each row once on this machine, whatever the protocol around it; the report's
+   ``bound`` line adds it to the ``kafka`` case's time: the best rate any atomic sink that writes
+   each row once to the topic and the table could reach here;
 5. ``kafka``: ``ExactlyOnceSink`` writing the topic only;
 6. ``kafka+sql``: ``ExactlyOnceSink`` writing the topic and a SQL table in its default mode:
    write-once on PostgreSQL (each task COPYs into the table in a transaction it prepares),
@@ -57,9 +62,11 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 POM = Path(__file__).resolve().parent / "spark-kafka.pom.xml"
-CASES = ("baseline", "naive+sql", "naive+copy", "floor", "kafka", "kafka+sql", "kafka+staged")
+CASES = ("baseline", "naive+sql", "naive+copy", "floor", "copy", "kafka", "kafka+sql",
+         "kafka+staged")
 SINK_CASES = ("kafka", "kafka+sql", "kafka+staged")
 NAIVE_SQL_CASES = ("naive+sql", "naive+copy")  # PostgreSQL only
+COPY_CASES = ("naive+copy", "copy")  # PostgreSQL only: a COPY per task, each into a table
 
 
 def log(msg: str) -> None:
@@ -205,10 +212,10 @@ class Runner:
     def __init__(self, spark: Any, args: argparse.Namespace, bootstrap: str,
                  sinks: dict[str, Any], topics: dict[str, str],
                  jdbc: tuple[str, str, dict[str, str]] | None = None,
-                 copy_target: tuple[str, str] | None = None) -> None:
+                 copy_into: tuple[str, dict[str, str]] | None = None) -> None:
         self.spark, self.args, self.bootstrap = spark, args, bootstrap
         self.sinks, self.topics, self.jdbc = sinks, topics, jdbc
-        self.copy_target = copy_target
+        self.copy_into = copy_into  # (libpq URL, {case: table}) of the COPY cases
         self._seen: dict[str, Any] = {}
         for case, sink in sinks.items():
             sink.on_batch = self._recorder(case)
@@ -236,13 +243,12 @@ class Runner:
             url, table, props = self.jdbc
             df.select("id", "value").write.jdbc(url, table, mode="append", properties=props)
         elif case == "naive+copy":
-            assert self.copy_target is not None
             (df.select("key", "value").write.format("kafka")
              .option("kafka.bootstrap.servers", self.bootstrap)
              .option("topic", self.topics[case]).save())
-            rows = sum(r.rows for r in df.select("id", "value").mapInArrow(
-                functools.partial(copy_task, *self.copy_target), "rows long").collect())
-            assert rows == count, (rows, count)
+            self._copy(case, df, count)
+        elif case == "copy":
+            self._copy(case, df, count)
         elif case == "floor":
             rows = sum(r.rows for r in df.select("key", "value").mapInArrow(
                 floor_task, "rows long").collect())
@@ -253,6 +259,14 @@ class Runner:
             timings, records = self._seen[case]
             assert timings is not None and records == count, (case, batch_id, records, count)
         return Batch(case, batch_id, count, time.perf_counter() - started, timings)
+
+    def _copy(self, case: str, df: Any, count: int) -> None:
+        """Each task COPYs its rows into ``case``'s table, committed."""
+        assert self.copy_into is not None
+        libpq_url, copy_tables = self.copy_into
+        rows = sum(r.rows for r in df.select("id", "value").mapInArrow(
+            functools.partial(copy_task, libpq_url, copy_tables[case]), "rows long").collect())
+        assert rows == count, (rows, count)
 
 
 # -- verification --------------------------------------------------------------------------------
@@ -333,6 +347,13 @@ def summarize(results: Results, tiny: Results) -> dict[str, Any]:
         if case in SINK_CASES:
             entry.update(phase_stats(bs))
         out[case] = entry
+    if all(results.of(c) for c in ("kafka", "floor", "copy")):
+        # Seconds per record add up: the kafka case's, plus what the database's COPY cost
+        # above the floor (the same rows crossing to Python are already in kafka's time).
+        per_record = (1 / overall_rate(results.of("kafka")) + 1 / overall_rate(results.of("copy"))
+                      - 1 / overall_rate(results.of("floor")))
+        out["bound"] = {"records_per_s": round(1 / per_record),
+                        "ratio_to_baseline": round(1 / per_record / base, 3)}
     for case in CASES:
         bs = tiny.of(case)
         if bs:
@@ -383,6 +404,11 @@ def print_report(info: dict[str, Any], results: Results, tiny: Results,
                   f"{s['median_batch_records_per_s']:>13} {s['ratio_to_baseline']:>12.3f} "
                   f"{'' if naive is None else f'{naive:.3f}':>13} "
                   f"{'' if copy is None else f'{copy:.3f}':>14}")
+    bound = summary.get("bound")
+    if bound:
+        print(f"{'bound':<12} {bound['records_per_s']:>10} {'':>13} "
+              f"{bound['ratio_to_baseline']:>12.3f}   (kafka + (copy - floor): the best an "
+              "atomic sink writing each row once to both could do here)")
     print(f"\nfixed per-batch cost, {info['partitions']} partitions (ms, median / p95)")
     print(f"{'case':<16} {'commit_phase':>13} {'decide':>11} {'commit':>11} {'complete':>11} "
           f"{'verify':>11} {'sweep':>11} {'tasks':>11} {'wall':>11}")
@@ -446,7 +472,7 @@ def main() -> int:
     if unknown or not cases:
         parser.error(f"unknown cases {sorted(unknown)}")
     if args.db == "sqlite" or (args.db_url or "").startswith("sqlite"):
-        cases = [c for c in cases if c not in NAIVE_SQL_CASES]  # PostgreSQL only
+        cases = [c for c in cases if c not in (*NAIVE_SQL_CASES, *COPY_CASES)]  # PostgreSQL
     args.topic_partitions = args.topic_partitions or args.partitions
     batch_size = args.records // args.batches
     warmup = args.warmup_records or batch_size
@@ -485,7 +511,8 @@ def main() -> int:
                                      ("tiny+staged", "tinystg"))}
         tables = {case: f"bench_spark_{name}_{run}" for case, name in (
             ("kafka+sql", "dwsql"), ("kafka+staged", "dwstg"), ("naive+sql", "naive"),
-            ("naive+copy", "ncopy"), ("tiny+sql", "tinysql"), ("tiny+staged", "tinystg"))}
+            ("naive+copy", "ncopy"), ("copy", "copy"), ("tiny+sql", "tinysql"),
+            ("tiny+staged", "tinystg"))}
         for name in tables.values():
             create_table(engine, name, args.value_bytes)
 
@@ -522,12 +549,13 @@ def main() -> int:
         if "naive+sql" in cases:
             jdbc_url, jdbc_props = jdbc_target(db_url)
             jdbc = (jdbc_url, tables["naive+sql"], jdbc_props)
-        copy_target = None
-        if "naive+copy" in cases:
+        copy_into = None
+        if any(c in cases for c in COPY_CASES):
             libpq = sa.make_url(db_url).set(drivername="postgresql")
-            copy_target = (libpq.render_as_string(hide_password=False), tables["naive+copy"])
+            copy_into = (libpq.render_as_string(hide_password=False),
+                         {c: tables[c] for c in COPY_CASES})
         runner = Runner(spark, args, bootstrap, {c: s for c, s in sinks.items() if c in cases},
-                        topics, jdbc, copy_target)
+                        topics, jdbc, copy_into)
         results = Results()
         expected = {c: 0 for c in cases}
         # Batch 0 is the warm-up (ids after the measured range); batches 1..N are measured.
@@ -550,7 +578,7 @@ def main() -> int:
         tiny_base = 10**12
         for batch_id in range(args.tiny_batches + 1):
             for case in cases:
-                if case in NAIVE_SQL_CASES:
+                if case in (*NAIVE_SQL_CASES, *COPY_CASES):
                     continue
                 b = tiny_runner.write(case, batch_id, tiny_base + batch_id * args.partitions,
                                       args.partitions)
@@ -589,7 +617,7 @@ def main() -> int:
                 counted += [(f"{case} table", tables[case], expected[case]),
                             (f"tiny {case} table", tables[tiny_case],
                              (args.tiny_batches + 1) * args.partitions)]
-        for case in NAIVE_SQL_CASES:
+        for case in (*NAIVE_SQL_CASES, "copy"):
             if case in cases:  # at-least-once: a retried task writes its rows again
                 counted.append((f"{case} table", tables[case], expected[case]))
         if counted:
@@ -621,6 +649,9 @@ def main() -> int:
                              + ("" if case == "baseline" or copy is None
                                 else f", {copy:.2f}x naive+copy")
                              + ("" if case == "baseline" else ")"))
+        if "bound" in summary:
+            parts.append(f"bound {summary['bound']['records_per_s']:,}/s "
+                         f"({summary['bound']['ratio_to_baseline']:.2f}x)")
         for case in SINK_CASES:
             s = summary.get(f"tiny {case}")
             if s:
