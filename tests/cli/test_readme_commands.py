@@ -259,13 +259,15 @@ SCENARIOS = [
                ("./run.sh bench spark [--quick] [--records 1000000] [--batches 5] "
                 "[--partitions 8]\n                     [--value-bytes 200] [--db postgres|sqlite]"
                 " [--db-url URL]\n                     [--tiny-batches 20]\n                     "
-                "[--cases baseline,naive+sql,naive+copy,floor,kafka,kafka+sql,kafka+staged]\n"
+                "[--cases baseline,naive+sql,naive+copy,floor,copy,kafka,kafka+sql,"
+                "kafka+staged]\n"
                 "                     [--json]",
                 './run.sh bench spark --quick --records 4000 --batches 2 --tiny-batches 1 '
-                '--partitions 2 --cases baseline,kafka+sql --db-url "$DUALWRITE_DATABASE_URL"')),
+                '--partitions 2 --cases baseline,floor,copy,kafka,kafka+sql '
+                '--db-url "$DUALWRITE_DATABASE_URL"')),
         expect=((r"recover\(\) over 5 in-doubt transactional ids", 1),
                 (r"^ +8 async-gc ", 1), (r"^memory per pooled writer", 1),
-                (r"^SUMMARY: .*verified OK", 1),
+                (r"^SUMMARY: .*bound [\d,]+/s \([\d.]+x\).*verified OK", 1),
                 (r"^SUMMARY: exactly-once / at-least-once = [\d.]+x", 1)),
     ),
     Scenario(
