@@ -18,6 +18,7 @@ Exit codes (stable, for scripts and operators):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -58,6 +59,7 @@ from dualwrite.recovery import (
     status,
 )
 from dualwrite.recovery.daemon import RecoveryDaemon
+from dualwrite.recovery.resolver import pulsar_rows_left
 from dualwrite.recovery.verify import VerifyReport, verify
 
 EXIT_OK = 0
@@ -125,6 +127,26 @@ def kafka_options(fn: F) -> F:
     fn = click.option("--bootstrap-servers", "-b", envvar="DUALWRITE_BOOTSTRAP_SERVERS",
                       help="Kafka bootstrap servers [env DUALWRITE_BOOTSTRAP_SERVERS].")(fn)
     return fn
+
+
+def pulsar_options(fn: F) -> F:
+    fn = click.option("--pulsar-token-file", type=click.Path(dir_okay=False, exists=True),
+                      envvar="DUALWRITE_PULSAR_TOKEN_FILE",
+                      help="A file holding the Pulsar authentication token "
+                      "[env DUALWRITE_PULSAR_TOKEN_FILE].")(fn)
+    fn = click.option("--pulsar-url", envvar="DUALWRITE_PULSAR_URL",
+                      help="Also the PulsarDualWriter ids, through this Pulsar service URL "
+                      "(pulsar://host:port); with it and no Kafka cluster given, only those "
+                      "[env DUALWRITE_PULSAR_URL].")(fn)
+    return fn
+
+
+def _kafka_config_unless_pulsar_only(bootstrap: str | None, properties: str | None,
+                                     pulsar_url: str | None) -> dict[str, Any] | None:
+    """The Kafka config, or None when only a Pulsar URL was given."""
+    if pulsar_url and not (bootstrap or properties):
+        return None
+    return _kafka_config(bootstrap, properties)
 
 
 DATABASE_URL_ENV = "DUALWRITE_DATABASE_URL"
@@ -265,12 +287,14 @@ def probe(bootstrap_servers: str | None, kafka_properties: str | None, timeout_s
               "(needs dualwrite[metrics]).")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
               help="With --metrics-port: the address to bind.")
+@pulsar_options
 @_guarded
 def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties: str | None,
                     timeout_s: float, transactional_ids: tuple[str, ...],
                     sink_ids: tuple[str, ...], parallelism: int, acknowledge_heuristic: bool,
                     as_json: bool, watch_s: float | None, max_backoff_s: float,
-                    metrics_port: int | None, metrics_host: str) -> None:
+                    metrics_port: int | None, metrics_host: str, pulsar_url: str | None,
+                    pulsar_token_file: str | None) -> None:
     """Commit or abort every in-doubt transaction, as the database decided.
 
     Batch sinks (the Spark sink): commits the participants of a decided, not completed batch
@@ -282,8 +306,12 @@ def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties
     Exit 0 when all are resolved, 3 on a heuristic outcome, 1 when an id failed with an error
     retrying will not fix (e.g. a missing ACL), 4 when Kafka or the database cannot be reached,
     5 when some ids or sinks are still unresolved. With --watch: exit 0 on SIGTERM or SIGINT.
+
+    PulsarDualWriter ids (their rows name Pulsar transactions) are recovered with --pulsar-url
+    and reported as unresolved without it.
     """
-    config = _kafka_config(bootstrap_servers, kafka_properties)
+    config = _kafka_config_unless_pulsar_only(bootstrap_servers, kafka_properties, pulsar_url)
+    token = _read_token(pulsar_token_file) if pulsar_token_file else None
     check_database_file(db_url)
     engine = create_engine(db_url)
     ids = list(transactional_ids) or None
@@ -299,9 +327,10 @@ def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties
                       if metrics_port is not None else ""))
 
         def one_pass() -> tuple[RecoveryReport, StatusReport]:
-            report = recover(engine, config, ids, sink_ids=sinks, parallelism=parallelism,
-                             timeout_s=timeout_s, acknowledge_heuristic=acknowledge_heuristic)
-            return report, status(engine, config, timeout_s=timeout_s)
+            report = _recover_all(engine, config, pulsar_url, token, ids, sinks, parallelism,
+                                  timeout_s, acknowledge_heuristic)
+            return report, (status(engine, config, timeout_s=timeout_s) if config is not None
+                            else StatusReport((), ()))
 
         RecoveryDaemon(one_pass, watch_s, max(max_backoff_s, watch_s)).run()
         if stop_metrics is not None:
@@ -315,9 +344,8 @@ def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties
         if bar_ctx is not None:
             bar_ctx.update(1)
 
-    report = recover(engine, config, ids, sink_ids=sinks, parallelism=parallelism,
-                     timeout_s=timeout_s, acknowledge_heuristic=acknowledge_heuristic,
-                     progress=progress)
+    report = _recover_all(engine, config, pulsar_url, token, ids, sinks, parallelism, timeout_s,
+                          acknowledge_heuristic, progress)
     if bar_ctx is not None:
         bar_ctx.render_finish()
     if as_json:
@@ -345,6 +373,41 @@ def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties
         sys.exit(EXIT_UNRESOLVED)
 
 
+def _read_token(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError as exc:
+        _fail(f"cannot read the Pulsar token file {path}: {exc.strerror}", EXIT_USAGE)
+
+
+def _recover_all(engine: Any, config: dict[str, Any] | None, pulsar_url: str | None,
+                 token: str | None, ids: list[str] | None, sinks: list[str] | None,
+                 parallelism: int, timeout_s: float, acknowledge_heuristic: bool,
+                 progress: Callable[[RecoveryResult], None] | None = None) -> RecoveryReport:
+    """Kafka's ids and sinks (``config``), and PulsarDualWriter ids (``pulsar_url``), in one
+    report; without a Pulsar URL, ids whose rows name Pulsar transactions are reported failed
+    (not skipped silently)."""
+    started = time.monotonic()
+    pulsar: tuple[RecoveryResult, ...] = ()
+    if pulsar_url:
+        from dualwrite.recovery.pulsar import recover_pulsar  # needs the `pulsar` extra
+
+        pulsar = recover_pulsar(engine, pulsar_url, ids, token=token, timeout_s=timeout_s,
+                                acknowledge_heuristic=acknowledge_heuristic).results
+    else:
+        pulsar = tuple(pulsar_rows_left(engine, ids))
+    if config is None:
+        return RecoveryReport(pulsar, time.monotonic() - started)
+    kafka_ids = ids
+    if ids is not None:  # the Pulsar rows among them are done above
+        kafka_ids = [i for i in ids if i not in {r.transactional_id for r in pulsar}]
+    kafka = recover(engine, config, kafka_ids, sink_ids=sinks, parallelism=parallelism,
+                    timeout_s=timeout_s, acknowledge_heuristic=acknowledge_heuristic,
+                    progress=progress)
+    return RecoveryReport(pulsar + kafka.results, time.monotonic() - started, kafka.sinks)
+
+
 def _sink_line(s: SinkRecoveryResult) -> str:
     batch = f"batch {s.batch_id}" if s.batch_id is not None else "no decided batch"
     line = f"sink {s.sink_id} {batch}: {s.outcome.value}"
@@ -368,10 +431,12 @@ def _sink_line(s: SinkRecoveryResult) -> str:
 @click.option("--prometheus", is_flag=True,
               help="Print dualwrite's metrics in the Prometheus text format instead (in doubt, "
               "heuristic, longest-open transaction); exit 0 unless a side is unreachable (4).")
+@pulsar_options
 @_guarded
 def status_command(db_url: str, bootstrap_servers: str | None, kafka_properties: str | None,
                    timeout_s: float, prefix: str | None, as_json: bool,
-                   prometheus: bool) -> None:
+                   prometheus: bool, pulsar_url: str | None,
+                   pulsar_token_file: str | None) -> None:
     """What is in doubt: each id of the state table classified against the brokers' view,
     batch sinks' last batches, and hanging (open, unowned) transactions.
 
@@ -386,17 +451,29 @@ def status_command(db_url: str, bootstrap_servers: str | None, kafka_properties:
 
     Exit 0 when nothing is in doubt, 5 when an id or a batch sink is in doubt, 3 on a heuristic
     outcome, 4 when Kafka or the database cannot be reached. Hanging transactions are listed,
-    not counted: they may belong to live producers that dualwrite does not know.
+    not counted: they may belong to live producers that dualwrite does not know. With
+    --pulsar-url, PulsarDualWriter ids are classified by what their anchor says (without it
+    they are in doubt: status cannot tell).
     """
     if prometheus and as_json:
         _fail("--json and --prometheus exclude each other: --prometheus prints the metrics in "
               "the Prometheus text format", EXIT_USAGE)
-    config = _kafka_config(bootstrap_servers, kafka_properties)
+    config = _kafka_config_unless_pulsar_only(bootstrap_servers, kafka_properties, pulsar_url)
+    token = _read_token(pulsar_token_file) if pulsar_token_file else None
     check_database_file(db_url)
     if prometheus and not metrics.ENABLED:
         _fail("--prometheus needs prometheus_client: pip install 'dualwrite[metrics]'",
               EXIT_USAGE)
-    report = status(create_engine(db_url), config, prefix=prefix, timeout_s=timeout_s)
+    engine = create_engine(db_url)
+    report = (status(engine, config, prefix=prefix, timeout_s=timeout_s) if config is not None
+              else StatusReport((), ()))
+    if pulsar_url:
+        from dualwrite.recovery.pulsar import pulsar_status  # needs the `pulsar` extra
+
+        pulsar_rows = pulsar_status(engine, pulsar_url, token=token, timeout_s=timeout_s)
+        named = {r.transactional_id for r in pulsar_rows}
+        report = dataclasses.replace(report, rows=tuple(
+            r for r in report.rows if r.transactional_id not in named) + pulsar_rows)
     if prometheus:
         metrics.status_observed(len(report.in_doubt) + len(report.sinks_in_doubt),
                                 len(report.heuristic),

@@ -29,6 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "spark": {"participant", "database", "batch", "metrics"},
     "cli": {"participant", "database", "batch", "recovery", "dev", "consumer", "metrics"},
     "dev": {"participant"},  # dev.read_committed: the test form of the topic reader
+    "pulsar": {"participant", "writer", "recovery"},  # the Pulsar names, one import away
 }
 
 

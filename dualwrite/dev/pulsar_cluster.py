@@ -169,19 +169,38 @@ class LocalPulsar(LocalServer):
 
     def start(self) -> None:
         """Resolve the jars, launch the JVM and wait until the broker is ready."""
-        java = find_java("Pulsar 4.0 brokers")
         self.classpath = pulsar_classpath(self.version)
         if self.data_dir is None:
             self.data_dir = Path(tempfile.mkdtemp(prefix="dualwrite-pulsar-"))
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.broker_port, self.web_port, self.bookie_port = free_ports(3)
+        shutil.rmtree(self.data_dir / "data", ignore_errors=True)
+        self._launch()
+
+    def crash(self) -> None:
+        """SIGKILL the broker, keeping its data and ports for :meth:`restart` (fault tests)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        self.pid = None
+
+    def restart(self) -> None:
+        """Launch the broker again on the same data and ports (after :meth:`crash`): the
+        transaction coordinator recovers its transactions from its log."""
+        if self.data_dir is None or not self.broker_port:
+            raise DevClusterError("the broker was never started: call start() first")
+        self._launch()
+
+    def _launch(self) -> None:
+        assert self.data_dir is not None
+        java = find_java("Pulsar 4.0 brokers")
         conf = self.data_dir / "standalone.conf"
         conf.write_text("".join(f"{k}={v}\n" for k, v in self.broker_config().items()),
                         encoding="utf-8")
         log4j = self.data_dir / "log4j2.properties"
         log4j.write_text(_LOG4J2, encoding="utf-8")
         data = self.data_dir / "data"
-        shutil.rmtree(data, ignore_errors=True)
         cmd = [
             java, "-Xms128m", f"-Xmx{self.heap}", "-XX:MaxDirectMemorySize=512m",
             "-XX:+UseG1GC", "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true",

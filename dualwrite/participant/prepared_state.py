@@ -18,10 +18,15 @@ from dataclasses import dataclass
 from dualwrite.errors import InvalidPreparedStateError
 from dualwrite.participant.identifiers import TopicPartition
 
-__all__ = ["MAX_STATE_LENGTH", "Anchor", "PreparedTxnState"]
+__all__ = ["MAX_STATE_LENGTH", "PULSAR_STATE_PREFIX", "Anchor", "PreparedTxnState",
+           "is_pulsar_state"]
 
 MAX_STATE_LENGTH = 255
 _PREFIX = "dw1"
+PULSAR_STATE_PREFIX = "dwp1"
+"""The prefix of a Pulsar transaction's state (:class:`~dualwrite.participant.pulsar.
+PulsarPreparedTxn`), kept in the same state table by a ``PulsarDualWriter``."""
+
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _HASHED_TOPIC = re.compile(r"#[0-9a-f]{16}")
 _INT = re.compile(r"-?[0-9]{1,19}")
@@ -29,6 +34,11 @@ _INT = re.compile(r"-?[0-9]{1,19}")
 _MAX_INT64 = 2**63 - 1
 _MAX_INT32 = 2**31 - 1
 _MAX_EPOCH = 32767
+
+
+def is_pulsar_state(text: str) -> bool:
+    """Whether a stored state names a Pulsar transaction, not a Kafka one."""
+    return text.startswith(PULSAR_STATE_PREFIX + ":")
 
 
 def topic_digest(topic: str) -> str:

@@ -43,20 +43,22 @@ from dualwrite.participant.client_config import check_kafka_config
 from dualwrite.participant.completion import Completion, Prefetched
 from dualwrite.participant.control_plane import ControlPlane, TransactionDescription, TxnState
 from dualwrite.participant.outcome import Outcome
-from dualwrite.participant.prepared_state import PreparedTxnState
+from dualwrite.participant.prepared_state import PreparedTxnState, is_pulsar_state
 from dualwrite.recovery import report as reports
 from dualwrite.recovery.report import Condition, RecoveryResult, SinkRecoveryResult
 from dualwrite.recovery.transactions import describe_open
 from dualwrite.writer.lease import Leases
 from dualwrite.writer.state_store import StateRow, StateStore
 
-__all__ = ["RecoveryRun", "recover", "status"]
+__all__ = ["PULSAR_ROW", "RecoveryRun", "pulsar_rows_left", "recover", "status"]
 
 log = logging.getLogger(__name__)
 
 # Ids resolved per database transaction and bulk request.
 _CHUNK = 25
 
+PULSAR_ROW = ("the row names a Pulsar transaction (a PulsarDualWriter's): recover it with "
+              "`dualwrite recover --pulsar-url URL`")
 _LIVE_WRITER = ("a live writer holds this transactional id's lease and finishes its own "
                 "transactions; recovery leaves it alone")
 
@@ -181,6 +183,9 @@ class RecoveryRun:
                         tid, text, Outcome.FAILED, "a writer of this transactional id started "
                         "while recovery was about to act on it; nothing was done: run recovery "
                         "again once that writer has stopped (or let it finish the id itself)")
+                    continue
+                if is_pulsar_state(text):
+                    results[tid] = RecoveryResult(tid, text, Outcome.FAILED, PULSAR_ROW)
                     continue
                 try:
                     states[tid] = PreparedTxnState.parse(text)
@@ -343,6 +348,15 @@ def _sinks_to_recover(engine: Engine, transactional_ids: Sequence[str] | None,
     return [(s, found.get(s)) for s in wanted]
 
 
+def pulsar_rows_left(engine: Engine, transactional_ids: Sequence[str] | None = None
+                     ) -> list[RecoveryResult]:
+    """The ids (all, or these) whose rows name a Pulsar transaction, as failed results: what
+    recovery without a Pulsar URL says of them (they are ``recover_pulsar``'s)."""
+    return [RecoveryResult(r.transactional_id, r.prepared_txn_state, Outcome.FAILED, PULSAR_ROW)
+            for r in StateStore(engine).read_all(transactional_ids)
+            if is_pulsar_state(r.prepared_txn_state)]
+
+
 def recover(engine: Engine | str, kafka_config: Mapping[str, Any],
             transactional_ids: Sequence[str] | None = None, *,
             sink_ids: Sequence[str] | None = None, parallelism: int = 8,
@@ -367,8 +381,9 @@ def recover(engine: Engine | str, kafka_config: Mapping[str, Any],
     kafka_config = check_kafka_config(kafka_config)  # bad input fails before any work
     engine = create_engine(engine) if isinstance(engine, str) else engine
     with deadline_scope(timeout_s):  # the start: an unreachable side fails it within timeout_s
-        if transactional_ids is None:
-            ids = [r.transactional_id for r in StateStore(engine).read_all()]
+        if transactional_ids is None:  # a PulsarDualWriter's rows are recover_pulsar's
+            ids = [r.transactional_id for r in StateStore(engine).read_all()
+                   if not is_pulsar_state(r.prepared_txn_state)]
         else:
             ids = list(dict.fromkeys(transactional_ids))
         sinks = _sinks_to_recover(engine, transactional_ids, sink_ids)
@@ -471,6 +486,9 @@ def _classify(completion: Completion, row: StateRow, desc: TransactionDescriptio
 
     if live:
         return result(Condition.LIVE_WRITER, _LIVE_WRITER)
+    if is_pulsar_state(text):
+        return result(Condition.IN_DOUBT, "the row names a Pulsar transaction (a "
+                      "PulsarDualWriter's): pass --pulsar-url to tell whether it is committed")
     try:
         state = PreparedTxnState.parse(text)
     except DualWriteError as exc:

@@ -32,14 +32,15 @@ from dualwrite.participant.prepared_state import PreparedTxnState
 from dualwrite.participant.producer import TwoPhaseProducer
 from dualwrite.writer.commit_inquiry import CommitStatus
 from dualwrite.writer.handle import GuardedConnection
+from dualwrite.writer.hooks import HeuristicHook
 from dualwrite.writer.lease import pooler_error
 from dualwrite.writer.lease_keeper import LeaseVerdict
 from dualwrite.writer.ownership import Ownership
 from dualwrite.writer.settings import WriterSettings, log
-from dualwrite.writer.state_store import StateRow
+from dualwrite.writer.state_store import StateRow, StateStore
 from dualwrite.writer.transaction_handle import DualWriteTransaction, Record
 
-__all__ = ["RunningTransaction"]
+__all__ = ["RunningTransaction", "database_committed", "what_the_block_committed"]
 
 
 class RunningTransaction:
@@ -199,39 +200,9 @@ class RunningTransaction:
                 self._budget_left = deadline.left()
 
     def _what_the_block_committed(self) -> BlockCommittedError | None:
-        """A statement of the block ended the database transaction (the driver said so): None if
-        the database rolled it back; otherwise the heuristic outcome, handed to the hook.
-
-        On PostgreSQL the transaction's id tells; elsewhere it cannot be known, and a possible
-        commit is reported as one (never silent)."""
         settings = self._settings
-        locked = self._connection.locked
-        xid = locked.locked_by_xid if locked is not None else None
-        status: CommitStatus | str | None = ""
-        if xid is not None:
-            try:
-                status = settings.store.inquiry.transaction_status(xid)
-            except DualWriteError as exc:
-                status = f"unknown ({exc})"
-            if status is CommitStatus.ABORTED:
-                return None
-            detail = (f"a statement of the block ended the database transaction ({status})"
-                      if status is not CommitStatus.COMMITTED
-                      else "a statement of the block committed the database transaction")
-        else:
-            detail = ("a statement of the block ended the database transaction, and this "
-                      "database cannot tell whether it committed")
-        heuristic = BlockCommittedError(self._tid, detail,
-                                        certain=status is CommitStatus.COMMITTED)
-        log.error("heuristic outcome: %s", heuristic)
-        metrics.heuristic_outcome(settings.role, heuristic)
-        if settings.on_heuristic_abort is not None:
-            try:
-                with settings.engine.begin() as conn:
-                    settings.on_heuristic_abort(heuristic, conn)
-            except Exception as exc:
-                log.error("transactional_id=%s: the re-publish hook failed: %s", self._tid, exc)
-        return heuristic
+        return what_the_block_committed(settings.store, self._tid, self._connection.locked,
+                                        settings.on_heuristic_abort, settings.role)
 
     def _flush(self, tx: DualWriteTransaction, producer: TwoPhaseProducer) -> PreparedTxnState:
         """Flush; if no record is acknowledged for half the timeout (a leader election, a
@@ -380,7 +351,8 @@ class RunningTransaction:
                         "database for the outcome", self._tid, state, exc.__class__.__name__)
             locked = self._connection.locked
             self._connection.drop()  # a failed pipeline can leave the row locked until then
-            if not database_committed(settings, state, locked):
+            if not database_committed(settings.store, self._tid, settings.timeout_s, str(state),
+                                      locked):
                 abort_quietly(producer, self._tid)
                 if isinstance(exc, DualWriteError):
                     raise
@@ -392,22 +364,62 @@ class RunningTransaction:
         self._clock.lap("kafka_commit")
 
 
-def database_committed(settings: WriterSettings, state: PreparedTxnState,
-                       locked: StateRow | None) -> bool:
-    """Whether the decision's database transaction committed: asked by its id of the server
-    that ran it, never by comparing stored states alone (an empty block stores the same
-    ``""`` as before, and recovery may clear a state in between); after a failover or crash
-    restart, where the id may name another transaction, by the state row version it wrote
-    (:meth:`~dualwrite.writer.commit_inquiry.CommitInquiry.commit_status`). Waits, bounded,
-    while it is still in progress.
+def what_the_block_committed(store: StateStore, transactional_id: str, locked: StateRow | None,
+                             on_heuristic_abort: HeuristicHook | None, role: metrics.Role
+                             ) -> BlockCommittedError | None:
+    """A statement of the block ended the database transaction that locked ``locked`` (the
+    driver said so): None if the database rolled it back; otherwise the heuristic outcome,
+    handed to ``on_heuristic_abort``.
+
+    On PostgreSQL the transaction's id tells; elsewhere it cannot be known, and a possible
+    commit is reported as one (never silent)."""
+    xid = locked.locked_by_xid if locked is not None else None
+    status: CommitStatus | str | None = ""
+    if xid is not None:
+        try:
+            status = store.inquiry.transaction_status(xid)
+        except DualWriteError as exc:
+            status = f"unknown ({exc})"
+        if status is CommitStatus.ABORTED:
+            return None
+        detail = (f"a statement of the block ended the database transaction ({status})"
+                  if status is not CommitStatus.COMMITTED
+                  else "a statement of the block committed the database transaction")
+    else:
+        detail = ("a statement of the block ended the database transaction, and this "
+                  "database cannot tell whether it committed")
+    heuristic = BlockCommittedError(transactional_id, detail,
+                                    certain=status is CommitStatus.COMMITTED)
+    log.error("heuristic outcome: %s", heuristic)
+    metrics.heuristic_outcome(role, heuristic)
+    if on_heuristic_abort is not None:
+        try:
+            with store.engine.begin() as conn:
+                on_heuristic_abort(heuristic, conn)
+        except Exception as exc:
+            log.error("transactional_id=%s: the re-publish hook failed: %s", transactional_id,
+                      exc)
+    return heuristic
+
+
+def database_committed(store: StateStore, transactional_id: str, timeout_s: float, state: str,
+                       locked: StateRow | None, *, participant: str = "Kafka") -> bool:
+    """Whether the decision's database transaction (locking ``locked``, writing ``state`` to
+    ``transactional_id``'s row of ``store``) committed: asked by its id of the server that ran
+    it, never by comparing stored states alone (an empty block stores the same ``""`` as
+    before, and recovery may clear a state in between); after a failover or crash restart,
+    where the id may name another transaction, by the state row version it wrote
+    (:meth:`~dualwrite.writer.commit_inquiry.CommitInquiry.commit_status`). Waits, bounded by
+    ``timeout_s`` or the current deadline, while it is still in progress.
 
     False where a COMMIT that raised is known not to have been applied (SQLite:
-    :attr:`~dualwrite.database.Backend.failed_commit_rolled_back`).
+    :attr:`~dualwrite.database.Backend.failed_commit_rolled_back`). ``participant`` names the
+    other side in the errors (whose transaction stays open while this is unknown).
     """
-    backend = backend_for(settings.engine)
+    backend = backend_for(store.engine)
     if backend.failed_commit_rolled_back:
         return False
-    unknown = (f"the database COMMIT of transactional_id={settings.transactional_id} "
+    unknown = (f"the database COMMIT of transactional_id={transactional_id} "
                f"state={state} has an unknown outcome")
     xid = locked.locked_by_xid if locked is not None else None
     if locked is None or (xid is None and not backend.commit_by_row_version):
@@ -416,24 +428,24 @@ def database_committed(settings: WriterSettings, state: PreparedTxnState,
     # Asked on a new connection, within what is left of the deadline; after a COMMIT that
     # used it all, within the part of the documented margin kept for this question.
     current = current_deadline()
-    left = settings.timeout_s if current is None else current.left()
+    left = timeout_s if current is None else current.left()
     with deadline_scope(Deadline.after(max(left, MARGIN_S / 2)), past_outer=True) as asking:
-        return _ask_outcome(settings, locked, state, asking, unknown)
+        return _ask_outcome(store, locked, state, asking, unknown, timeout_s, participant)
 
 
-def _ask_outcome(settings: WriterSettings, locked: StateRow, state: PreparedTxnState,
-                 asking: Deadline, unknown: str) -> bool:
+def _ask_outcome(store: StateStore, locked: StateRow, state: str, asking: Deadline,
+                 unknown: str, timeout_s: float, participant: str) -> bool:
     deadline = asking.at
     while True:
         try:
-            status = settings.store.inquiry.commit_status(locked, str(state))
+            status = store.inquiry.commit_status(locked, state)
         except DatabaseUnreachableError as exc:
             # A restarting server or a cut connection: ask again until the deadline. The
             # outcome is not known, so it must not reach the caller as "retry".
             if time.monotonic() > deadline:
                 raise OutcomeUnknownError(
                     f"{unknown} and the database could not be asked within "
-                    f"{settings.timeout_s:g} s ({exc}); the Kafka transaction stays open: the "
+                    f"{timeout_s:g} s ({exc}); the {participant} transaction stays open: the "
                     "next transaction of this writer, or `dualwrite recover`, finishes it "
                     "once the database is back") from exc
             time.sleep(0.2)
@@ -447,7 +459,7 @@ def _ask_outcome(settings: WriterSettings, locked: StateRow, state: PreparedTxnS
                 f"{unknown}: the database reports transaction "
                 f"{locked.locked_by_xid or f'of session {locked.locked_by_pid}'} as "
                 f"{said}; "
-                "the Kafka transaction stays open: run `dualwrite recover` once the "
+                f"the {participant} transaction stays open: run `dualwrite recover` once the "
                 "database transaction has ended (it decides by the state row)")
         time.sleep(0.05)
 

@@ -11,6 +11,7 @@ Needs the ``pulsar`` extra (``protobuf``).
 from dualwrite.participant.pulsar._wire import MessageId, TxnId
 from dualwrite.participant.pulsar.client import PulsarTxnClient, full_topic_name
 from dualwrite.participant.pulsar.errors import (
+    InvalidTxnStatusError,
     PulsarAuthError,
     PulsarConnectionError,
     PulsarError,
@@ -37,6 +38,7 @@ from dualwrite.participant.pulsar.participant import (
 from dualwrite.participant.pulsar.reader import PartitionReader, ReceivedEntry, ReceivedMessage
 
 __all__ = [
+    "InvalidTxnStatusError",
     "MessageId",
     "PartitionReader",
     "PulsarAuthError",

@@ -301,9 +301,12 @@ class Connection:
 
     def send_messages(self, producer_id: int, producer_name: str, first_sequence_id: int,
                       payloads: Sequence[bytes], txn: TxnId | None, deadline: float,
-                      what: str) -> list[MessageId]:
+                      what: str, keys: Sequence[str | None] | None = None) -> list[MessageId]:
         """SEND every payload (one message each, pipelined) with the transaction id in both
-        CommandSend and MessageMetadata, then wait for every receipt, in order."""
+        CommandSend and MessageMetadata, then wait for every receipt, in order. ``keys``: each
+        message's partition key (None: none), as many as payloads."""
+        if keys is not None and len(keys) != len(payloads):
+            raise PulsarFatalError(f"{what}: {len(keys)} keys for {len(payloads)} messages")
         frames = []
         now_ms = int(time.time() * 1000)
         for i, payload in enumerate(payloads):
@@ -311,6 +314,9 @@ class Connection:
             send = pb.CommandSend(producer_id=producer_id, sequence_id=seq, num_messages=1)
             meta = pb.MessageMetadata(producer_name=producer_name, sequence_id=seq,
                                       publish_time=now_ms)
+            key = keys[i] if keys is not None else None
+            if key is not None:
+                meta.partition_key = key
             if txn is not None:
                 send.txnid_most_bits, send.txnid_least_bits = txn.most, txn.least
                 meta.txnid_most_bits, meta.txnid_least_bits = txn.most, txn.least

@@ -143,9 +143,11 @@ class PulsarTxnClient:
                 request_id=rid, txnid_most_bits=txn.most, txnid_least_bits=txn.least,
                 partitions=names)), rid, deadline, f"ADD_PARTITION_TO_TXN {txn}")
 
-    def send(self, topic: str, payloads: Sequence[bytes], txn: TxnId | None) -> list[MessageId]:
+    def send(self, topic: str, payloads: Sequence[bytes], txn: TxnId | None,
+             keys: Sequence[str | None] | None = None) -> list[MessageId]:
         """Send ``payloads`` to ``topic`` (one message each, in order) in transaction ``txn``
-        (``None``: outside any); returns their message ids once the broker stored them all."""
+        (``None``: outside any), with ``keys`` as their partition keys if given; returns their
+        message ids once the broker stored them all."""
         deadline = self._deadline()
         name = full_topic_name(topic)
         producer = self._retrying(deadline, lambda: self._producer(name, deadline))
@@ -154,7 +156,7 @@ class PulsarTxnClient:
         what = f"SEND to {name}" + (f" in {txn}" if txn else "")
         try:
             return producer.conn.send_messages(producer.producer_id, producer.name, first,
-                                               payloads, txn, deadline, what)
+                                               payloads, txn, deadline, what, keys)
         except BaseException:
             self._producers.pop(name, None)
             raise

@@ -23,6 +23,7 @@ from dualwrite.errors import (
 )
 
 __all__ = [
+    "InvalidTxnStatusError",
     "PulsarAuthError",
     "PulsarConnectionError",
     "PulsarError",
@@ -111,6 +112,11 @@ class PulsarProtocolError(PulsarFatalError):
     """The broker sent something this client cannot parse, or the reverse (a bug)."""
 
 
+class InvalidTxnStatusError(PulsarRetriableError):
+    """The transaction is already committing or aborting (another process's END_TXN, or its
+    timeout): its outcome is read once that ends, not guessed from this answer."""
+
+
 class TransactionNotFoundError(PulsarFatalError):
     """The coordinator does not know this TxnID: never issued, already committed, already
     aborted, timed out, or owned by another role. A finished transaction reads exactly like an
@@ -195,8 +201,8 @@ _TABLE: dict[int, tuple[str, type[PulsarError], str]] = {
     19: ("ConsumerAssignError", _F, "The dispatcher could not assign the consumer."),
     20: ("TransactionCoordinatorNotFound", _R, "The transaction coordinator is not loaded on "
          "this broker (moving, starting); look it up again and retry."),
-    21: ("InvalidTxnStatus", _R, "The transaction is committing or aborting (perhaps by its "
-         "timeout); ask again shortly for a definitive answer."),
+    21: ("InvalidTxnStatus", InvalidTxnStatusError, "The transaction is committing or "
+         "aborting (perhaps by its timeout); ask again shortly for a definitive answer."),
     22: ("NotAllowedError", _F, "The broker does not allow this (e.g. a send to a transaction "
          "that has already ended)."),
     23: ("TransactionConflict", _F, "Another transaction acknowledged the same message."),

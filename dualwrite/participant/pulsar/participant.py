@@ -22,9 +22,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dualwrite.errors import InvalidPreparedStateError
+from dualwrite.participant.prepared_state import PULSAR_STATE_PREFIX as _PREFIX
 from dualwrite.participant.pulsar._wire import MessageId, TxnId
 from dualwrite.participant.pulsar.client import PulsarTxnClient, full_topic_name
 from dualwrite.participant.pulsar.errors import (
+    InvalidTxnStatusError,
+    PulsarError,
     PulsarFatalError,
     PulsarHeuristicAbortError,
     PulsarHeuristicCommitError,
@@ -40,7 +43,6 @@ __all__ = ["PulsarParticipant", "PulsarPreparedTxn", "PulsarTxnOutcome", "txn_ou
 
 log = logging.getLogger(__name__)
 
-_PREFIX = "dwp1"
 _MAX_U64 = 2**64 - 1
 _MAX_I64 = 2**63 - 1
 _MAX_I32 = 2**31 - 1
@@ -199,15 +201,16 @@ class PulsarParticipant:
         log.info("pulsar transaction %s: begun (timeout %d ms)", self._txn, timeout_ms)
         return self._txn
 
-    def send(self, topic: str, payloads: Sequence[bytes]) -> list[MessageId]:
+    def send(self, topic: str, payloads: Sequence[bytes],
+             keys: Sequence[str | None] | None = None) -> list[MessageId]:
         """Send ``payloads`` to ``topic`` (a partition or non-partitioned topic) in the open
-        transaction, registering the partition with it first."""
+        transaction, registering the partition with it first; ``keys``: their partition keys."""
         txn = self._current()
         name = full_topic_name(topic)
         if name not in self._partitions:
             self.client.add_partitions(txn, [name])
             self._partitions.add(name)
-        return self.client.send(name, payloads, txn)
+        return self.client.send(name, payloads, txn, keys)
 
     def prepare(self, anchor_topic: str, anchor_payload: bytes) -> PulsarPreparedTxn:
         """Send ``anchor_payload`` as the transaction's last message, to ``anchor_topic``, and
@@ -219,42 +222,66 @@ class PulsarParticipant:
         log.info("pulsar transaction %s: prepared as %s", txn, prepared)
         return prepared
 
+    def abort_open(self) -> None:
+        """Abort the transaction begun and not prepared, if any (nothing decided it). A failure
+        is only logged: the coordinator aborts it at its timeout all the same."""
+        txn, self._txn = self._txn, None
+        if txn is None:
+            return
+        try:
+            self.client.end_txn(txn, commit=False)
+            log.info("pulsar transaction %s: aborted before its prepare", txn)
+        except PulsarError as e:
+            log.warning("pulsar transaction %s: abort before its prepare failed (%s); its "
+                        "timeout aborts it", txn, e)
+
+    def abort_prepared_quietly(self, prepared: PulsarPreparedTxn) -> None:
+        """Abort a prepared transaction that nothing decided to commit; a failure is only
+        logged (the coordinator's timeout aborts it all the same)."""
+        try:
+            self.abort(prepared)
+        except PulsarError as e:
+            log.warning("pulsar transaction %s: abort failed (%s); its timeout aborts it",
+                        prepared.txn, e)
+
     def outcome(self, prepared: PulsarPreparedTxn) -> PulsarTxnOutcome:
         """See :func:`txn_outcome`."""
         return txn_outcome(self.client, prepared, self.outcome_wait_s)
 
-    def commit(self, prepared: PulsarPreparedTxn) -> None:
-        """Commit by TxnID. Done if the coordinator commits it, or if it had been committed
-        already; :class:`PulsarHeuristicAbortError` if Pulsar aborted it;
+    def commit(self, prepared: PulsarPreparedTxn) -> bool:
+        """Commit by TxnID. Done if the coordinator commits it (True), or if it had been
+        committed already (False); :class:`PulsarHeuristicAbortError` if Pulsar aborted it;
         :class:`PulsarTxnStillOpenError` (retriable) while the outcome cannot be read yet."""
-        self._end(prepared, commit=True)
+        return self._end(prepared, commit=True)
 
-    def abort(self, prepared: PulsarPreparedTxn) -> None:
+    def abort(self, prepared: PulsarPreparedTxn) -> bool:
         """Abort by TxnID; the mirror of :meth:`commit` (:class:`PulsarHeuristicCommitError`
         if Pulsar had committed it)."""
-        self._end(prepared, commit=False)
+        return self._end(prepared, commit=False)
 
-    def _end(self, prepared: PulsarPreparedTxn, commit: bool) -> None:
+    def _end(self, prepared: PulsarPreparedTxn, commit: bool) -> bool:
         action = "commit" if commit else "abort"
         txn = prepared.txn
         log.info("pulsar transaction %s: %s", txn, action)
         try:
             self.client.end_txn(txn, commit)
-        except (TransactionNotFoundError, PulsarOutcomeUnknownError) as e:
+        except (TransactionNotFoundError, InvalidTxnStatusError, PulsarOutcomeUnknownError) as e:
+            # Not found: already ended (or timed out). Invalid status: ending now, by another
+            # process's END_TXN or the timeout. Either way the anchor tells the outcome.
             log.info("pulsar transaction %s: %s answered %s; reading its anchor", txn, action,
                      type(e).__name__)
             outcome = self.outcome(prepared)
             wanted = PulsarTxnOutcome.COMMITTED if commit else PulsarTxnOutcome.ABORTED
             if outcome is wanted:
                 log.info("pulsar transaction %s: already %s", txn, outcome.value)
-                return
+                return False
             if outcome is PulsarTxnOutcome.UNREADABLE:
                 if not commit:
                     # Only a commit decision commits a prepared transaction: nothing but an
                     # outside commit can have made this one visible.
                     log.warning("pulsar transaction %s: abort could not be confirmed from the "
                                 "anchor (its ledger is no longer stored); taken as aborted", txn)
-                    return
+                    return False
                 log.error("pulsar transaction %s: outcome unreadable (anchor %s)", txn, prepared)
                 raise PulsarOutcomeUnreadableError(
                     str(txn), str(prepared), f"commit answered {type(e).__name__}; the anchor's "
@@ -274,6 +301,7 @@ class PulsarParticipant:
                 raise PulsarHeuristicAbortError(str(txn), str(prepared), detail) from None
             raise PulsarHeuristicCommitError(str(txn), str(prepared), detail) from None
         log.info("pulsar transaction %s: %s done", txn, action)
+        return True
 
     def _current(self) -> TxnId:
         if self._txn is None:

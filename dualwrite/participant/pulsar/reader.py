@@ -37,11 +37,13 @@ _DEFAULT_PERMITS = 1000
 
 @dataclass(frozen=True)
 class ReceivedMessage:
-    """One message of an entry: its id (``batch_index`` set inside a batch) and payload."""
+    """One message of an entry: its id (``batch_index`` set inside a batch), payload,
+    properties and partition key (None without one)."""
 
     message_id: MessageId
     payload: bytes
     properties: dict[str, str]
+    key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,9 @@ class ReceivedEntry:
                 f"({pb.CompressionType.Name(meta.compression)}) is not supported")
         if not self.is_batch:
             return [ReceivedMessage(self.message_id, self.payload,
-                                    {kv.key: kv.value for kv in meta.properties})]
+                                    {kv.key: kv.value for kv in meta.properties},
+                                    meta.partition_key if meta.HasField("partition_key")
+                                    else None)]
         out: list[ReceivedMessage] = []
         pos, data = 0, self.payload
         try:
@@ -96,7 +100,9 @@ class ReceivedEntry:
                 mid = MessageId(self.message_id.ledger_id, self.message_id.entry_id,
                                 self.message_id.partition, i)
                 out.append(ReceivedMessage(mid, payload,
-                                           {kv.key: kv.value for kv in single.properties}))
+                                           {kv.key: kv.value for kv in single.properties},
+                                           single.partition_key
+                                           if single.HasField("partition_key") else None))
         except PulsarProtocolError:
             raise
         except Exception as e:  # struct.error, protobuf's DecodeError

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import struct
@@ -48,12 +47,12 @@ from dualwrite.participant.pulsar._wire import (
     encode_send,
 )
 from dualwrite.participant.pulsar.errors import error_info, server_error
+from tests.support.pulsar.broker import HAS_JAVA
 
 if TYPE_CHECKING:
     from dualwrite.dev.pulsar_cluster import LocalPulsar
 
 ROOT = Path(__file__).resolve().parents[3]
-HAS_JAVA = all(shutil.which(t) for t in ("java", "javac", "mvn"))
 needs_broker = [
     pytest.mark.timeout(300),
     pytest.mark.skipif(not HAS_JAVA, reason="needs java, javac and mvn (Pulsar from Maven jars)"),
