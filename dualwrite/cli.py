@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 import time
+import types
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -312,6 +313,8 @@ def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties
     """
     config = _kafka_config_unless_pulsar_only(bootstrap_servers, kafka_properties, pulsar_url)
     token = _read_token(pulsar_token_file) if pulsar_token_file else None
+    if pulsar_url:
+        _pulsar_recovery()  # the extra it needs, before any work
     check_database_file(db_url)
     engine = create_engine(db_url)
     ids = list(transactional_ids) or None
@@ -373,12 +376,23 @@ def recover_command(db_url: str, bootstrap_servers: str | None, kafka_properties
         sys.exit(EXIT_UNRESOLVED)
 
 
-def _read_token(path: str) -> str:
+def _read_token(path: str) -> str | None:
+    """The token in ``path`` (None if the file is empty); never echoed."""
     try:
         with open(path, encoding="utf-8") as f:
-            return f.read().strip()
+            return f.read().strip() or None
     except OSError as exc:
         _fail(f"cannot read the Pulsar token file {path}: {exc.strerror}", EXIT_USAGE)
+
+
+def _pulsar_recovery() -> types.ModuleType:
+    """``dualwrite.recovery.pulsar``, or a usage error naming the extra it needs."""
+    try:
+        import dualwrite.recovery.pulsar as module
+    except ImportError as exc:
+        _fail(f"--pulsar-url needs the `pulsar` extra ({exc.name or exc} is missing): pip "
+              "install 'dualwrite[pulsar]'", EXIT_USAGE)
+    return module
 
 
 def _recover_all(engine: Any, config: dict[str, Any] | None, pulsar_url: str | None,
@@ -391,10 +405,9 @@ def _recover_all(engine: Any, config: dict[str, Any] | None, pulsar_url: str | N
     started = time.monotonic()
     pulsar: tuple[RecoveryResult, ...] = ()
     if pulsar_url:
-        from dualwrite.recovery.pulsar import recover_pulsar  # needs the `pulsar` extra
-
-        pulsar = recover_pulsar(engine, pulsar_url, ids, token=token, timeout_s=timeout_s,
-                                acknowledge_heuristic=acknowledge_heuristic).results
+        pulsar = _pulsar_recovery().recover_pulsar(
+            engine, pulsar_url, ids, token=token, timeout_s=timeout_s,
+            acknowledge_heuristic=acknowledge_heuristic).results
     else:
         pulsar = tuple(pulsar_rows_left(engine, ids))
     if config is None:
@@ -460,6 +473,8 @@ def status_command(db_url: str, bootstrap_servers: str | None, kafka_properties:
               "the Prometheus text format", EXIT_USAGE)
     config = _kafka_config_unless_pulsar_only(bootstrap_servers, kafka_properties, pulsar_url)
     token = _read_token(pulsar_token_file) if pulsar_token_file else None
+    if pulsar_url:
+        _pulsar_recovery()  # the extra it needs, before any work
     check_database_file(db_url)
     if prometheus and not metrics.ENABLED:
         _fail("--prometheus needs prometheus_client: pip install 'dualwrite[metrics]'",
@@ -468,9 +483,8 @@ def status_command(db_url: str, bootstrap_servers: str | None, kafka_properties:
     report = (status(engine, config, prefix=prefix, timeout_s=timeout_s) if config is not None
               else StatusReport((), ()))
     if pulsar_url:
-        from dualwrite.recovery.pulsar import pulsar_status  # needs the `pulsar` extra
-
-        pulsar_rows = pulsar_status(engine, pulsar_url, token=token, timeout_s=timeout_s)
+        pulsar_rows = _pulsar_recovery().pulsar_status(engine, pulsar_url, token=token,
+                                                       timeout_s=timeout_s)
         named = {r.transactional_id for r in pulsar_rows}
         report = dataclasses.replace(report, rows=tuple(
             r for r in report.rows if r.transactional_id not in named) + pulsar_rows)

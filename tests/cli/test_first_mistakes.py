@@ -271,3 +271,21 @@ def test_transaction_without_with_says_to_use_with(writer: DualWriter, topic: st
         misused.produce(topic, "v")  # type: ignore[attr-defined]
     assert not hasattr(misused, "connection")
     _write(writer, "after-misuse", lambda tx: tx.produce(topic, "v"))
+
+
+@pytest.mark.unit
+def test_pulsar_url_without_the_pulsar_extra_names_it(tmp_path: Any) -> None:
+    """Recovery of Pulsar ids without protobuf installed: one line naming the extra, exit 2."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['google'] = None; "  # as if protobuf were not installed
+            "from dualwrite.cli import main; main()")
+    for command in ("recover", "status"):
+        run = subprocess.run([sys.executable, "-c", code, command, "--db",
+                              f"sqlite:///{tmp_path / 'x.db'}", "--pulsar-url",
+                              "pulsar://127.0.0.1:1"], capture_output=True, text=True,
+                             timeout=60, check=False)
+        assert run.returncode == 2, run.stdout + run.stderr
+        assert "pip install 'dualwrite[pulsar]'" in run.stderr
+        assert "Traceback" not in run.stderr

@@ -24,9 +24,15 @@ import pytest
 import sqlalchemy as sa
 
 from dualwrite import create_engine
-from dualwrite.errors import TransactionStateError
+from dualwrite.errors import ConfigurationError, TransactionStateError
 from dualwrite.participant.pulsar import MessageId, PulsarTimeoutError
-from dualwrite.pulsar import PulsarDualWriter, PulsarTxnClient, partition_for_key, recover_pulsar
+from dualwrite.pulsar import (
+    PulsarDualWriter,
+    PulsarTransaction,
+    PulsarTxnClient,
+    partition_for_key,
+    recover_pulsar,
+)
 from dualwrite.recovery import Outcome
 from dualwrite.writer import StateStore
 from tests.support.cli import dw
@@ -395,3 +401,20 @@ def test_broker_killed_and_restarted_under_load(pulsar_broker: LocalPulsar, db: 
 def test_partition_for_key_is_the_java_clients(key: str, java_hash: int) -> None:
     for partitions in (1, 3, 7, 16):
         assert partition_for_key(key, partitions) == java_hash % partitions
+
+
+@pytest.mark.unit
+def test_send_refuses_bad_input_and_sends_after_the_block() -> None:
+    tx = PulsarTransaction(connection=None)  # type: ignore[arg-type]  # send() never uses it
+    tx.send("orders", "a", key="k")
+    tx.send("persistent://t/ns/orders", b"b", partition=2)
+    assert [(m.topic, m.value, m.key, m.partition) for m in tx.messages] == [
+        ("persistent://public/default/orders", b"a", "k", None),
+        ("persistent://t/ns/orders", b"b", None, 2)]
+    for bad in ({"value": 5}, {"value": b"x", "key": 7}, {"value": b"x", "partition": -1}):
+        with pytest.raises(ConfigurationError):
+            tx.send("orders", **bad)
+    assert len(tx.messages) == 2  # nothing of a refused send was queued
+    tx.end()
+    with pytest.raises(TransactionStateError):
+        tx.send("orders", b"late")
