@@ -240,6 +240,8 @@ class PulsarParticipant:
         logged (the coordinator's timeout aborts it all the same)."""
         try:
             self.abort(prepared)
+        except PulsarHeuristicCommitError as e:  # never silent, though nothing should commit it
+            log.error("pulsar transaction %s: %s", prepared.txn, e)
         except PulsarError as e:
             log.warning("pulsar transaction %s: abort failed (%s); its timeout aborts it",
                         prepared.txn, e)
