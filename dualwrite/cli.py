@@ -414,7 +414,8 @@ def _recover_all(engine: Any, config: dict[str, Any] | None, pulsar_url: str | N
         return RecoveryReport(pulsar, time.monotonic() - started)
     kafka_ids = ids
     if ids is not None:  # the Pulsar rows among them are done above
-        kafka_ids = [i for i in ids if i not in {r.transactional_id for r in pulsar}]
+        done = {r.transactional_id for r in pulsar}
+        kafka_ids = [i for i in ids if i not in done]
     kafka = recover(engine, config, kafka_ids, sink_ids=sinks, parallelism=parallelism,
                     timeout_s=timeout_s, acknowledge_heuristic=acknowledge_heuristic,
                     progress=progress)

@@ -277,8 +277,12 @@ class PulsarDualWriter:
             with deadline_scope(self.timeout_s):
                 self._undo(conn, exc)
             raise
-        with deadline_scope(self.timeout_s):
-            self._decide(conn, prepared)
+        try:
+            with deadline_scope(self.timeout_s):
+                self._decide(conn, prepared)
+        except BaseException:
+            self._drop_connection()  # after a failure mid-commit its state is not known
+            raise
 
     def _begin_and_lock(self) -> GuardedConnection:
         """Begin on the writer's connection, lock the state row, and settle what it names."""
