@@ -2,8 +2,9 @@
 names a caller handles.
 
 ``PulsarDualWriter`` writes database rows and Pulsar messages atomically through Pulsar's own
-transactions; ``recover_pulsar`` (and ``dualwrite recover --pulsar-url``) finishes what a
-crashed writer's database decided. See docs/pulsar.md.
+transactions, ``PulsarDualWriterPool`` serves many threads with a bounded set of them;
+``recover_pulsar`` (and ``dualwrite recover --pulsar-url``) finishes what a crashed writer's
+database decided. See docs/pulsar.md.
 """
 
 from dualwrite.participant.pulsar import (
@@ -14,6 +15,7 @@ from dualwrite.participant.pulsar import (
     PulsarTxnClient,
 )
 from dualwrite.recovery.pulsar import recover_pulsar
+from dualwrite.writer.pool.pulsar_pool import PulsarDualWriterPool
 from dualwrite.writer.pulsar_writer import (
     PulsarDualWriter,
     PulsarPhaseHooks,
@@ -23,6 +25,7 @@ from dualwrite.writer.pulsar_writer import (
 
 __all__ = [
     "PulsarDualWriter",
+    "PulsarDualWriterPool",
     "PulsarError",
     "PulsarHeuristicAbortError",
     "PulsarOutcomeUnknownError",

@@ -18,7 +18,7 @@ from dualwrite import metrics
 from dualwrite.database import database_error
 from dualwrite.errors import DatabaseUnreachableError, DualWriteError, RetriableError
 from dualwrite.participant.prepared_state import PreparedTxnState
-from dualwrite.writer.dual_writer import DualWriteTransaction
+from dualwrite.writer.dual_writer import DualWriter, DualWriteTransaction
 from dualwrite.writer.handle import GuardedConnection
 from dualwrite.writer.pool.admission import Admission
 from dualwrite.writer.pool.policy import CommitPolicy
@@ -61,7 +61,8 @@ class GroupCommit(CommitPolicy):
 
     grouped = True
 
-    def __init__(self, admission: Admission, slots: list[Slot], usage: metrics.PoolUsage, *,
+    def __init__(self, admission: Admission, slots: list[Slot[DualWriter]],
+                 usage: metrics.PoolUsage, *,
                  url: sa.URL, max_group_size: int, collectors: int,
                  acquire_timeout_s: float) -> None:
         self._admission = admission
@@ -153,7 +154,7 @@ class GroupCommit(CommitPolicy):
         if req.error is not None:
             raise req.error
 
-    def _drive(self, slot: Slot) -> None:
+    def _drive(self, slot: Slot[DualWriter]) -> None:
         """The thread of one writer: take the waiting requests as a group, one transaction."""
         while True:
             slot.rest()
@@ -172,7 +173,8 @@ class GroupCommit(CommitPolicy):
             finally:
                 collected()
 
-    def _run_group(self, slot: Slot, first: Request, collected: Callable[[], None]) -> None:
+    def _run_group(self, slot: Slot[DualWriter], first: Request,
+                   collected: Callable[[], None]) -> None:
         """One group, and its second run should a call run without a savepoint fail
         (:meth:`_run_member`): the others then run again in a new transaction, each inside a
         savepoint this time, so no call runs more than twice."""
@@ -180,8 +182,8 @@ class GroupCommit(CommitPolicy):
         if rerun:
             self._transaction(slot, rerun, collected, careful=True)
 
-    def _transaction(self, slot: Slot, taken: list[Request], collected: Callable[[], None], *,
-                     careful: bool) -> list[Request]:
+    def _transaction(self, slot: Slot[DualWriter], taken: list[Request],
+                     collected: Callable[[], None], *, careful: bool) -> list[Request]:
         """One transaction of the writer: ``taken`` and, unless ``careful``, the requests that
         wait or arrive meanwhile (up to ``max_group_size``), then ``collected()`` lets another
         writer collect while this one commits. Returns the calls to run again if one of them

@@ -9,22 +9,22 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
-from dualwrite.writer.dual_writer import DualWriteTransaction
-from dualwrite.writer.pool.requests import Call, GroupedTransaction, Request
+from dualwrite.writer.pool.requests import Call, Request
 from dualwrite.writer.pool.writers import Slot
 
 
 class CommitPolicy(ABC):
-    """What :class:`DualWriterPool` asks of a commit policy: run a request of a thread
-    (:meth:`transaction`) and take one of the async pool (:meth:`hand_over`); the lifecycle
-    hooks do nothing unless a policy needs them."""
+    """What a :class:`~dualwrite.writer.pool.pool.WriterPool` asks of a commit policy: run a
+    request of a thread (:meth:`transaction`) and take one of the async pool
+    (:meth:`hand_over`); the lifecycle hooks do nothing unless a policy needs them."""
 
     grouped: ClassVar[bool]
     """Whether requests share transactions (the pool's ``group_commit``)."""
 
     @abstractmethod
-    def transaction(self) -> AbstractContextManager[DualWriteTransaction | GroupedTransaction]:
-        """One request of the calling thread, atomic on both sides."""
+    def transaction(self) -> AbstractContextManager[Any]:
+        """One request of the calling thread, atomic on both sides: the handle its block
+        writes through (the writer's own, or a group member's)."""
 
     @abstractmethod
     def run(self, call: Call) -> Any:
@@ -44,7 +44,7 @@ class CommitPolicy(ABC):
         """Stop it, waiting until ``deadline``; the names of threads still running."""
         return []
 
-    def idle_lost(self) -> list[Slot]:
+    def idle_lost(self) -> list[Slot[Any]]:
         """Under the pool's lock: the idle slots whose id was lost, now out of use, for the
         pool to close."""
         return []

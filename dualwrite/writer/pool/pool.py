@@ -1,5 +1,6 @@
-"""DualWriterPool: the writers of a bounded set of transactional ids, their start, upkeep and
-close; how requests share them is its commit policy's (:mod:`.single`, :mod:`.grouped`)."""
+"""The writers of a bounded set of transactional ids, their start, upkeep and close
+(:class:`WriterPool`, whatever the participant), and :class:`DualWriterPool` (Kafka); how
+requests share the writers is the commit policy's (:mod:`.single`, :mod:`.grouped`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import logging
 import re
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, cast
+from typing import Any, Concatenate, Generic, Literal, ParamSpec, Self, TypeVar, cast
 
 import sqlalchemy as sa
 from sqlalchemy import Engine
@@ -31,7 +33,7 @@ from dualwrite.writer.pool.policy import CommitPolicy
 from dualwrite.writer.pool.requests import GroupedTransaction, Request
 from dualwrite.writer.pool.single import SingleCommit
 from dualwrite.writer.pool.slots import Slots
-from dualwrite.writer.pool.writers import Slot
+from dualwrite.writer.pool.writers import Slot, W
 from dualwrite.writer.state_store import StateStore
 
 log = logging.getLogger("dualwrite.writer.pool")
@@ -43,69 +45,34 @@ PoolTransaction = DualWriteTransaction | GroupedTransaction
 """The handle of one pool request: ``connection`` and ``produce``, whichever kind it is."""
 
 
-class DualWriterPool:
-    """A thread-safe pool of :class:`DualWriter` over ids ``{id_prefix}-{n}`` (package docstring).
+class WriterPool(ABC, Generic[W]):
+    """What every pool does whatever its participant: take the ids ``{id_prefix}-{n}`` whose
+    slots are free, finish what the prefix's other ids left in doubt, warm the writers up,
+    keep the slots, close. A pool names its writers (:meth:`_new_writer`) and how requests
+    share them (:meth:`_make_policy`)."""
 
-    ``with pool.transaction() as tx:`` runs one request atomically, with the calls of a
-    ``DualWriter`` transaction (``tx.connection``, ``tx.produce``). Without ``group_commit`` each
-    request runs its own transaction on a writer of its own, waiting up to ``acquire_timeout_s``
-    for one to be free (then :class:`~dualwrite.errors.RetriableError`). With ``group_commit``
-    (default; see bench/README.md for the measurements) each of the ``size`` writers has a
-    thread that takes the waiting requests as one group: the request's block still runs in the
-    caller's thread (its context variables, its exceptions), on the group's connection — the
-    first request of a group on the writer's own handle, the others inside a savepoint each — one
-    request after the other; it returns once the group committed on both sides.
-    At most ``collectors`` writers (default 1) take requests at a time while the others
-    commit, so that a group holds what arrived while the last one ran: groups grow with the
-    load. Collecting is Python work under the GIL, so a second collector mostly competes with
-    the first for the same core (docs/design.md).
-    A request whose block raises is rolled back alone (its savepoint; its records never leave)
-    and gets its exception; a failure of the group's prepare or commit reaches each of its
-    requests as the same typed error. ``max_group_size`` bounds a group (and the time its first
-    request waits).
-
-    A writer that raised a dualwrite error (fenced, heuristic outcome, database or broker gone;
-    :func:`breaks_writer`) is closed and replaced by a new one for the same id before the next
-    request. :meth:`close` waits for the running transactions, closes every writer (clearing
-    their state rows) and releases the ids.
-
-    ``DualWriter`` keywords (``timeout_s``, ``on_heuristic_abort``, ``verify``, ``hooks``) apply
-    to every writer. Kafka: ``kafka_config`` without ``transactional.id``. ``max_ids`` bounds the
-    numbers a pool may take; ``warm_up`` runs each writer's first transaction at start;
-    ``rest_s`` is the least time between one writer's transactions (:meth:`Slot.rest`).
-    """
-
-    def __init__(self, engine: Engine | str, kafka_config: Mapping[str, Any], *,
-                 id_prefix: str = "dualwrite", size: int = 16, group_commit: bool = True,
-                 max_group_size: int = 32, acquire_timeout_s: float = 30.0,
-                 timeout_s: float = 30.0, on_heuristic_abort: HeuristicHook | None = None,
-                 verify: Literal["auto", "always"] = "auto", hooks: PhaseHooks | None = None,
-                 max_ids: int = 1024, warm_up: bool = True, rest_s: float = 0.01,
-                 collectors: int | None = None) -> None:
-        if size < 1 or max_group_size < 1:
-            raise ValueError("size and max_group_size must be at least 1")
+    def __init__(self, engine: Engine | str, *, id_prefix: str, size: int,
+                 acquire_timeout_s: float, timeout_s: float, max_ids: int, warm_up: bool,
+                 rest_s: float) -> None:
+        if size < 1:
+            raise ValueError("size must be at least 1")
         if not re.fullmatch(r"[A-Za-z0-9._-]+", id_prefix):
             raise ValueError("id_prefix may hold letters, digits, '.', '_' and '-' only")
-        if "transactional.id" in kafka_config:
-            raise ValueError("the pool names its transactional ids itself (id_prefix)")
         try:
             self._engine = create_engine(engine) if isinstance(engine, str) else engine
         except (sa.exc.ArgumentError, ValueError) as exc:  # the text may show the password
-            raise FatalError("DualWriterPool: the database URL (not shown: it may hold a "
-                             "password) is not valid, or its driver is not installed "
+            raise FatalError(f"{type(self).__name__}: the database URL (not shown: it may "
+                             "hold a password) is not valid, or its driver is not installed "
                              f"({type(exc).__name__})") from None
-        self._config = dict(kafka_config)
         self._prefix = id_prefix
         self._acquire_timeout_s = acquire_timeout_s
-        self._writer_kw: dict[str, Any] = {
-            "timeout_s": timeout_s, "on_heuristic_abort": on_heuristic_abort,
-            "verify": verify, "hooks": hooks}
+        self._timeout_s = timeout_s
         self._store = StateStore(self._engine)
         self._admission = Admission(id_prefix)
         self._slots = Slots(self._engine)
         try:
             ids = self._take_ids(size, max_ids)
-            self._all = [Slot(tid, self._new_writer, rest_s) for tid in ids]
+            self._all: list[Slot[W]] = [Slot(tid, self._new_writer, rest_s) for tid in ids]
             self._finish_others(max_ids)
             if warm_up:
                 self._warm_up()
@@ -114,14 +81,7 @@ class DualWriterPool:
             self._slots.release_all()
             raise
         self._usage = metrics.PoolUsage(id_prefix, len(self._all))
-        self._policy: CommitPolicy = (
-            GroupCommit(self._admission, self._all, self._usage, url=self._engine.url,
-                        max_group_size=max_group_size,
-                        collectors=collectors or 1,
-                        acquire_timeout_s=acquire_timeout_s)
-            if group_commit else
-            SingleCommit(self._admission, self._all, self._usage,
-                         acquire_timeout_s=acquire_timeout_s))
+        self._policy = self._make_policy()
         self._policy.start()
         self._stop_keeper = threading.Event()
         self._keeper = threading.Thread(target=self._keep_slots, daemon=True,
@@ -129,6 +89,14 @@ class DualWriterPool:
         self._keeper.start()
         log.info("writer pool %s: %d writers (%s), group commit %s", id_prefix, len(ids),
                  ", ".join(ids), "on" if self._policy.grouped else "off")
+
+    @abstractmethod
+    def _new_writer(self, tid: str) -> W:
+        """A new writer for ``tid``, whose slot is this pool's."""
+
+    @abstractmethod
+    def _make_policy(self) -> CommitPolicy:
+        """How requests share the writers (once they are made)."""
 
     @property
     def transactional_ids(self) -> list[str]:
@@ -201,7 +169,7 @@ class DualWriterPool:
         """Run each writer's first transaction (empty) now: it claims the id, finishes what its
         stored state left in doubt and starts the producer session, so that the first requests
         do not pay for it."""
-        def warm(slot: Slot) -> None:
+        def warm(slot: Slot[W]) -> None:
             with slot.current_writer().transaction():
                 pass
 
@@ -209,34 +177,6 @@ class DualWriterPool:
                                 thread_name_prefix="dualwrite-pool-warm") as ex:
             for f in [ex.submit(warm, s) for s in self._all]:
                 f.result()
-
-    def _new_writer(self, tid: str) -> DualWriter:
-        # The id's slot is this pool's: a writer lease still held is that of a pool whose slot
-        # session died, which gives the id up at its next check; take it over.
-        kw = {"take_over": True, "metrics_role": "pool", **self._writer_kw}
-        return DualWriter(self._engine, self._config, transactional_id=tid, **kw)
-
-    @transaction_context("pool.transaction")
-    def transaction(self) -> Iterator[DualWriteTransaction | GroupedTransaction]:
-        """One request, atomic on both sides (class docstring)."""
-        with self._policy.transaction() as tx:
-            yield tx
-
-    def run(self, fn: Callable[Concatenate[PoolTransaction, _P], _T], /,
-            *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        """One request as a callable: ``fn(tx, *args, **kwargs)`` in a writer's thread, with
-        the calls of :meth:`transaction`'s handle; returns what ``fn`` returned once the
-        request committed on both sides, or raises what it raised (nothing of it committed).
-
-        Cheaper than :meth:`transaction` with group commit: a request costs its own statements
-        and no savepoint, and its thread only waits. The price: ``fn`` may run twice. When a
-        call of a group fails, the group's transaction is rolled back on both sides and its
-        other calls run again, each inside a savepoint then (so a call runs at most twice, and
-        only its last run commits). So ``fn`` must have no effect outside ``tx`` (no other
-        connection, no remote call, no mutation of shared state it cannot repeat), and it runs
-        in another thread (no context variables of the caller). Interrupted (Ctrl-C) after a
-        group took it, the request is decided by its group without the caller."""
-        return cast(_T, self._policy.run(lambda tx: fn(tx, *args, **kwargs)))
 
     @property
     def id_prefix(self) -> str:
@@ -250,11 +190,6 @@ class DualWriterPool:
         """Counts a request in (refused once closed): :meth:`close` waits for it. For
         :class:`AsyncDualWriterPool`, with :meth:`hand_over`."""
         return self._admission.admitted()
-
-    def hand_over(self, req: Request, executor: ThreadPoolExecutor | None) -> None:
-        """Give an admitted request to the writers: to the queue of groups, or without group
-        commit to a thread of ``executor`` that runs a transaction of its own for it."""
-        self._policy.hand_over(req, executor)
 
     # -- upkeep and closing -----------------------------------------------------------------
 
@@ -288,7 +223,7 @@ class DualWriterPool:
         and the writers' threads, close every writer, release the ids. Idempotent. A close
         that took longer than a second logs what it waited for."""
         started = time.monotonic()
-        budget: float = self._writer_kw["timeout_s"] if timeout_s is None else timeout_s
+        budget = self._timeout_s if timeout_s is None else timeout_s
         deadline = started + budget
         busy = self._admission.close(deadline)
         if busy is None:
@@ -325,8 +260,105 @@ class DualWriterPool:
                 except Exception as exc:
                     log.warning("closing the writer of transactional_id=%s: %s", slot.tid, exc)
 
-    def __enter__(self) -> DualWriterPool:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class DualWriterPool(WriterPool[DualWriter]):
+    """A thread-safe pool of :class:`DualWriter` over ids ``{id_prefix}-{n}`` (package docstring).
+
+    ``with pool.transaction() as tx:`` runs one request atomically, with the calls of a
+    ``DualWriter`` transaction (``tx.connection``, ``tx.produce``). Without ``group_commit`` each
+    request runs its own transaction on a writer of its own, waiting up to ``acquire_timeout_s``
+    for one to be free (then :class:`~dualwrite.errors.RetriableError`). With ``group_commit``
+    (default; see bench/README.md for the measurements) each of the ``size`` writers has a
+    thread that takes the waiting requests as one group: the request's block still runs in the
+    caller's thread (its context variables, its exceptions), on the group's connection — the
+    first request of a group on the writer's own handle, the others inside a savepoint each — one
+    request after the other; it returns once the group committed on both sides.
+    At most ``collectors`` writers (default 1) take requests at a time while the others
+    commit, so that a group holds what arrived while the last one ran: groups grow with the
+    load. Collecting is Python work under the GIL, so a second collector mostly competes with
+    the first for the same core (docs/design.md).
+    A request whose block raises is rolled back alone (its savepoint; its records never leave)
+    and gets its exception; a failure of the group's prepare or commit reaches each of its
+    requests as the same typed error. ``max_group_size`` bounds a group (and the time its first
+    request waits).
+
+    A writer that raised a dualwrite error (fenced, heuristic outcome, database or broker gone;
+    :func:`breaks_writer`) is closed and replaced by a new one for the same id before the next
+    request. :meth:`close` waits for the running transactions, closes every writer (clearing
+    their state rows) and releases the ids.
+
+    ``DualWriter`` keywords (``timeout_s``, ``on_heuristic_abort``, ``verify``, ``hooks``) apply
+    to every writer. Kafka: ``kafka_config`` without ``transactional.id``. ``max_ids`` bounds the
+    numbers a pool may take; ``warm_up`` runs each writer's first transaction at start;
+    ``rest_s`` is the least time between one writer's transactions (:meth:`Slot.rest`).
+    """
+
+    def __init__(self, engine: Engine | str, kafka_config: Mapping[str, Any], *,
+                 id_prefix: str = "dualwrite", size: int = 16, group_commit: bool = True,
+                 max_group_size: int = 32, acquire_timeout_s: float = 30.0,
+                 timeout_s: float = 30.0, on_heuristic_abort: HeuristicHook | None = None,
+                 verify: Literal["auto", "always"] = "auto", hooks: PhaseHooks | None = None,
+                 max_ids: int = 1024, warm_up: bool = True, rest_s: float = 0.01,
+                 collectors: int | None = None) -> None:
+        if size < 1 or max_group_size < 1:
+            raise ValueError("size and max_group_size must be at least 1")
+        if "transactional.id" in kafka_config:
+            raise ValueError("the pool names its transactional ids itself (id_prefix)")
+        self._config = dict(kafka_config)
+        self._writer_kw: dict[str, Any] = {
+            "timeout_s": timeout_s, "on_heuristic_abort": on_heuristic_abort,
+            "verify": verify, "hooks": hooks}
+        self._group_commit = group_commit
+        self._max_group_size = max_group_size
+        self._collectors = collectors or 1
+        super().__init__(engine, id_prefix=id_prefix, size=size,
+                         acquire_timeout_s=acquire_timeout_s, timeout_s=timeout_s,
+                         max_ids=max_ids, warm_up=warm_up, rest_s=rest_s)
+
+    def _make_policy(self) -> CommitPolicy:
+        if self._group_commit:
+            return GroupCommit(self._admission, self._all, self._usage, url=self._engine.url,
+                               max_group_size=self._max_group_size,
+                               collectors=self._collectors,
+                               acquire_timeout_s=self._acquire_timeout_s)
+        return SingleCommit(self._admission, self._all, self._usage,
+                            acquire_timeout_s=self._acquire_timeout_s)
+
+    def _new_writer(self, tid: str) -> DualWriter:
+        # The id's slot is this pool's: a writer lease still held is that of a pool whose slot
+        # session died, which gives the id up at its next check; take it over.
+        kw = {"take_over": True, "metrics_role": "pool", **self._writer_kw}
+        return DualWriter(self._engine, self._config, transactional_id=tid, **kw)
+
+    @transaction_context("pool.transaction")
+    def transaction(self) -> Iterator[DualWriteTransaction | GroupedTransaction]:
+        """One request, atomic on both sides (class docstring)."""
+        with self._policy.transaction() as tx:
+            yield tx
+
+    def run(self, fn: Callable[Concatenate[PoolTransaction, _P], _T], /,
+            *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        """One request as a callable: ``fn(tx, *args, **kwargs)`` in a writer's thread, with
+        the calls of :meth:`transaction`'s handle; returns what ``fn`` returned once the
+        request committed on both sides, or raises what it raised (nothing of it committed).
+
+        Cheaper than :meth:`transaction` with group commit: a request costs its own statements
+        and no savepoint, and its thread only waits. The price: ``fn`` may run twice. When a
+        call of a group fails, the group's transaction is rolled back on both sides and its
+        other calls run again, each inside a savepoint then (so a call runs at most twice, and
+        only its last run commits). So ``fn`` must have no effect outside ``tx`` (no other
+        connection, no remote call, no mutation of shared state it cannot repeat), and it runs
+        in another thread (no context variables of the caller). Interrupted (Ctrl-C) after a
+        group took it, the request is decided by its group without the caller."""
+        return cast(_T, self._policy.run(lambda tx: fn(tx, *args, **kwargs)))
+
+    def hand_over(self, req: Request, executor: ThreadPoolExecutor | None) -> None:
+        """Give an admitted request to the writers: to the queue of groups, or without group
+        commit to a thread of ``executor`` that runs a transaction of its own for it."""
+        self._policy.hand_over(req, executor)

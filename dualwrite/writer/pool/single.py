@@ -24,16 +24,16 @@ class SingleCommit(CommitPolicy):
 
     grouped = False
 
-    def __init__(self, admission: Admission, slots: list[Slot], usage: metrics.PoolUsage, *,
+    def __init__(self, admission: Admission, slots: list[Slot[Any]], usage: metrics.PoolUsage, *,
                  acquire_timeout_s: float) -> None:
         self._admission = admission
         self._all = slots
-        self._free: deque[Slot] = deque(slots)
+        self._free: deque[Slot[Any]] = deque(slots)
         self._usage = usage
         self._acquire_timeout_s = acquire_timeout_s
 
     @contextmanager
-    def transaction(self) -> Iterator[DualWriteTransaction]:
+    def transaction(self) -> Iterator[Any]:
         slot = self._checkout()
         try:
             slot.rest()
@@ -57,7 +57,7 @@ class SingleCommit(CommitPolicy):
         assert executor is not None
         executor.submit(self._run, req)
 
-    def idle_lost(self) -> list[Slot]:
+    def idle_lost(self) -> list[Slot[Any]]:
         idle = [s for s in self._free if s.lost]
         for slot in idle:
             self._free.remove(slot)
@@ -92,7 +92,7 @@ class SingleCommit(CommitPolicy):
             req.signal(req.turn)
             req.signal(req.done)
 
-    def _checkout(self) -> Slot:
+    def _checkout(self) -> Slot[Any]:
         admission = self._admission
         deadline = time.monotonic() + self._acquire_timeout_s
         with admission.lock:
@@ -111,7 +111,7 @@ class SingleCommit(CommitPolicy):
                         f"{self._acquire_timeout_s:g} s")
                 admission.changed.wait(left)
 
-    def _checkin(self, slot: Slot) -> None:
+    def _checkin(self, slot: Slot[Any]) -> None:
         if slot.lost:
             slot.retire("its id was taken by another process")
         self._usage.returned()

@@ -6,9 +6,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Generic, Protocol, TypeVar
 
 from dualwrite.errors import DualWriteError, LockTimeoutError, TransactionConflictError
-from dualwrite.writer.dual_writer import DualWriter
 
 log = logging.getLogger("dualwrite.writer.pool")
 
@@ -31,13 +32,24 @@ def breaks_writer(exc: BaseException) -> bool:
     return not isinstance(exc, Exception)
 
 
-class Slot:
+class PooledWriter(Protocol):
+    """What a pool asks of a writer: one transaction at a time, and closing."""
+
+    def transaction(self) -> AbstractContextManager[Any]: ...
+
+    def close(self) -> None: ...
+
+
+W = TypeVar("W", bound=PooledWriter)
+
+
+class Slot(Generic[W]):
     """One transactional id of the pool and its current writer (None until made, or after the
     last one broke)."""
 
-    def __init__(self, tid: str, new_writer: Callable[[str], DualWriter], rest_s: float) -> None:
+    def __init__(self, tid: str, new_writer: Callable[[str], W], rest_s: float) -> None:
         self.tid = tid
-        self.writer: DualWriter | None = None
+        self.writer: W | None = None
         self.ended = 0.0
         """When its last transaction ended (``time.monotonic()``)."""
         self.lost = False
@@ -46,7 +58,7 @@ class Slot:
         self._new_writer = new_writer
         self._rest_s = rest_s
 
-    def current_writer(self) -> DualWriter:
+    def current_writer(self) -> W:
         """The id's writer, made now if it has none."""
         if self.writer is None:
             self.writer = self._new_writer(self.tid)

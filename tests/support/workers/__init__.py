@@ -4,6 +4,8 @@ environment they run in: the repository on ``PYTHONPATH``, output unbuffered."""
 from __future__ import annotations
 
 import os
+import sys
+import threading
 from pathlib import Path
 
 from tests.support import REPO_ROOT
@@ -22,3 +24,15 @@ def worker_env() -> dict[str, str]:
     """This process's environment with the repository first on ``PYTHONPATH``."""
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+
+_SAY = threading.Lock()
+
+
+def say(*words: object) -> None:
+    """Print one line whole, even from several threads at once (``print`` writes its words
+    and the newline in separate calls, which other threads' lines can split)."""
+    line = " ".join(str(w) for w in words) + "\n"
+    with _SAY:
+        sys.stdout.write(line)
+        sys.stdout.flush()

@@ -37,6 +37,7 @@ from dualwrite import (
 )
 from dualwrite.participant import PreparedTxnState
 from dualwrite.writer import PhaseHooks
+from tests.support.workers import say
 
 
 class BlockAfter(PhaseHooks):
@@ -52,7 +53,7 @@ class BlockAfter(PhaseHooks):
                 return
             if not self.announced:
                 self.announced = True
-                print("AT database-committed", flush=True)
+                say("AT database-committed")
         time.sleep(600)
 
 
@@ -135,7 +136,7 @@ def main() -> int:
 
 
 def returned(value: str, state: object, hooks: BlockAfter | None) -> None:
-    print("OK", value, state, flush=True)
+    say("OK", value, state)
     if hooks is not None:
         with hooks.lock:
             hooks.returned += 1

@@ -14,14 +14,21 @@ A dualwrite error ends the worker with ``ERROR <class> <message>`` and exit 3; w
 (a broker or database restarting under it) a :class:`RetriableError` retries the same
 transaction (``RETRY n``) and an :class:`OutcomeUnknownError` goes on to the next (``UNKNOWN n``:
 the row may or may not be committed; recovery or the next transaction settles its messages).
+
+With ``--pool SIZE --threads T`` the transactions run through a :class:`PulsarDualWriterPool`
+(ids ``--writer``-0 .. SIZE-1) from T threads at once, each taking the next number; with
+``--kill-after K`` the process SIGKILLs itself once K of them committed, the others wherever
+they are.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import signal
 import sys
+import threading
 import time
 
 import sqlalchemy as sa
@@ -34,7 +41,13 @@ from dualwrite.errors import (
     OutcomeUnknownError,
     RetriableError,
 )
-from dualwrite.pulsar import PulsarDualWriter, PulsarPhaseHooks, PulsarPreparedTxn
+from dualwrite.pulsar import (
+    PulsarDualWriter,
+    PulsarDualWriterPool,
+    PulsarPhaseHooks,
+    PulsarPreparedTxn,
+)
+from tests.support.workers import say
 
 PHASES = ("begun", "sent", "prepared", "database_committed", "committed")
 ORDERS = sa.table("pulsar_orders", sa.column("id", sa.BigInteger),
@@ -81,6 +94,41 @@ class KillAt(PulsarPhaseHooks):
         self._at("committed")
 
 
+def run_pool(args: argparse.Namespace) -> int:
+    """The transactions from ``args.threads`` threads through a pool (module docstring)."""
+    numbers = itertools.count(args.first)
+    committed = 0
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def serve(pool: PulsarDualWriterPool) -> None:
+        nonlocal committed
+        while (n := next(numbers)) < args.first + args.count:
+            try:
+                with pool.transaction() as tx:
+                    tx.connection.execute(sa.insert(ORDERS).values(id=n, writer=args.writer))
+                    tx.send(args.topic, str(n), key=str(n))
+            except DualWriteError as exc:
+                errors.append(f"ERROR {n} {type(exc).__name__} {exc}")
+                say(errors[-1])
+                continue
+            say(f"COMMITTED {n}")
+            with lock:
+                committed += 1
+                if committed == args.kill_after:
+                    say("KILL")
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+    with PulsarDualWriterPool(args.db, args.pulsar, id_prefix=args.writer, size=args.pool,
+                              txn_timeout_s=args.txn_timeout, timeout_s=20) as pool:
+        threads = [threading.Thread(target=serve, args=(pool,)) for _ in range(args.threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return 3 if errors else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--db", required=True)
@@ -96,7 +144,12 @@ def main() -> int:
                    help="retry retriable errors, go on after unknown outcomes")
     p.add_argument("--acknowledge-hook", action="store_true",
                    help="pass on_heuristic_abort (prints HOOK <state>)")
+    p.add_argument("--pool", type=int, help="run through a pool of this many writers")
+    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--kill-after", type=int)
     args = p.parse_args()
+    if args.pool:
+        return run_pool(args)
 
     def hook(exc: HeuristicAbortError, conn: Connection) -> None:
         print(f"HOOK {exc.state}", flush=True)

@@ -38,11 +38,12 @@ class FakeWriter:
         self.closed = True
 
 
-def slots(n: int) -> list[Slot]:
-    return [Slot(f"p-{i}", cast(Any, FakeWriter), rest_s=0.0) for i in range(n)]
+def slots(n: int) -> list[Slot[FakeWriter]]:
+    return [Slot(f"p-{i}", FakeWriter, rest_s=0.0) for i in range(n)]
 
 
-def single(all_slots: list[Slot], timeout_s: float = 5.0) -> tuple[SingleCommit, Admission]:
+def single(all_slots: list[Slot[FakeWriter]],
+           timeout_s: float = 5.0) -> tuple[SingleCommit, Admission]:
     admission = Admission("p")
     usage = metrics.PoolUsage("p", len(all_slots))
     return SingleCommit(admission, all_slots, usage, acquire_timeout_s=timeout_s), admission
@@ -97,7 +98,7 @@ def test_single_commit_gives_up_idle_slots_whose_id_was_lost() -> None:
 
 def test_group_commit_without_a_free_writer_gives_the_request_up() -> None:
     all_slots = slots(1)
-    policy = GroupCommit(Admission("p"), all_slots, metrics.PoolUsage("p", 1),
+    policy = GroupCommit(Admission("p"), cast(Any, all_slots), metrics.PoolUsage("p", 1),
                          url=cast(Any, "sqlite://"), max_group_size=4, collectors=1,
                          acquire_timeout_s=0.05)  # not started: no writer takes requests
     with pytest.raises(RetriableError, match=re.escape(

@@ -1,4 +1,4 @@
-"""PulsarDualWriter against a real Pulsar 4.0.7 standalone and a real database.
+"""PulsarDualWriter against a real Pulsar 4.0.8 standalone and a real database.
 
 Every check ends with the invariant: the rows in ``pulsar_orders`` are exactly the messages a
 reader of the topic gets (Pulsar dispatches committed transactional messages only), each once,
@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,124 +24,32 @@ import sqlalchemy as sa
 
 from dualwrite import create_engine
 from dualwrite.errors import ConfigurationError, TransactionStateError
-from dualwrite.participant.pulsar import MessageId, PulsarTimeoutError
 from dualwrite.pulsar import (
     PulsarDualWriter,
     PulsarTransaction,
-    PulsarTxnClient,
     partition_for_key,
     recover_pulsar,
 )
 from dualwrite.recovery import Outcome
-from dualwrite.writer import StateStore
 from tests.support.cli import dw
+from tests.support.pulsar.checks import (
+    ALL_DATABASES,
+    assert_invariant,
+    read_topic,
+    recover_cli,
+    rows,
+    stored_state,
+    wait_until_none_open,
+    worker,
+)
 from tests.support.pulsar.probe import TxnProbe
-from tests.support.workers.pulsar_worker import ORDERS, PHASES, create_orders_table
+from tests.support.workers.pulsar_worker import ORDERS, PHASES
 
 if TYPE_CHECKING:
     from dualwrite.dev.pulsar_cluster import LocalPulsar
 
 ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(params=["postgresql"])
-def db(request: pytest.FixtureRequest) -> str:
-    """A fresh database with dualwrite's tables and ``pulsar_orders`` (PostgreSQL unless a test
-    asks for more with ``parametrize("db", [...], indirect=True)``)."""
-    fixture = {"postgresql": "pg_db_url", "mariadb": "mariadb_db_url",
-               "sqlite": "sqlite_db_url"}[request.param]
-    url = str(request.getfixturevalue(fixture))
-    create_orders_table(url)
-    return url
-
-
-ALL_DATABASES = pytest.mark.parametrize("db", ["postgresql", "mariadb", "sqlite"],
-                                        indirect=True)
-
-
-@pytest.fixture
-def topic(pulsar_broker: LocalPulsar) -> str:
-    """A new topic of 3 partitions."""
-    name = f"persistent://public/default/orders-{uuid.uuid4().hex[:8]}"
-    status, body = pulsar_broker.admin_request(
-        "PUT", "/admin/v2/" + name.replace("persistent://", "persistent/") + "/partitions", 3)
-    assert status in (200, 204), body
-    return name
-
-
-def read_topic(url: str, topic: str, wait_s: float = 1.5) -> list[tuple[int, str, str | None]]:
-    """(partition, value, key) of every message dispatched to a read-committed reader."""
-    out = []
-    with PulsarTxnClient(url, timeout_s=20) as client:
-        for index, partition in enumerate(client.partitions(topic)):
-            deadline = time.monotonic() + wait_s
-            with client.reader(partition, MessageId(0, 0)) as reader:
-                try:
-                    while True:
-                        for m in reader.receive(deadline).messages():
-                            out.append((index, m.payload.decode(), m.key))
-                except PulsarTimeoutError:
-                    pass
-    return out
-
-
-def stored_state(db: str, writer_id: str) -> str:
-    row = StateStore(create_engine(db)).read(writer_id)
-    assert row is not None
-    return row.prepared_txn_state
-
-
-def rows(db: str) -> list[int]:
-    engine = create_engine(db)
-    try:
-        with engine.connect() as conn:
-            return sorted(r[0] for r in conn.execute(sa.select(ORDERS.c.id)))
-    finally:
-        engine.dispose()
-
-
-def open_transactions(broker: LocalPulsar) -> int:
-    status, stats = broker.admin_request("GET", "/admin/v3/transactions/coordinatorStats")
-    assert status == 200, stats
-    return sum(int(tc["ongoingTxnSize"]) for tc in stats.values())
-
-
-def wait_until_none_open(broker: LocalPulsar, within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    while open_transactions(broker) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert open_transactions(broker) == 0
-
-
-def assert_invariant(broker: LocalPulsar, db: str, topic: str,
-                     expected: set[int] | None = None) -> list[int]:
-    """Rows == messages read, each once, keyed like Pulsar's Java client routes them, and
-    nothing open at the coordinator. Returns the ids."""
-    wait_until_none_open(broker, within_s=30)
-    messages = read_topic(broker.service_url, topic)
-    ids = [int(v) for _, v, _ in messages]
-    assert len(ids) == len(set(ids)), f"duplicated messages: {sorted(ids)}"
-    assert sorted(ids) == rows(db)
-    for partition, value, key in messages:
-        assert key == value and partition == partition_for_key(value, 3)
-    if expected is not None:
-        assert set(ids) == expected
-    return sorted(ids)
-
-
-def worker(broker: LocalPulsar, db: str, topic: str, writer: str, first: int, count: int,
-           *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tests.support.workers.pulsar_worker", "--db", db,
-         "--pulsar", broker.service_url, "--writer", writer, "--topic", topic,
-         "--first", str(first), "--count", str(count), *extra],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-        timeout=120, check=False)
-
-
-def recover_cli(broker: LocalPulsar, db: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    return dw("recover", "--db", db, "--pulsar-url", broker.service_url, *extra)
 
 
 # -- the recipe ---------------------------------------------------------------------------------
@@ -180,25 +87,30 @@ def test_a_block_ending_the_transaction_is_refused_and_nothing_commits(
     assert_invariant(pulsar_broker, db, topic, expected={2})
 
 
-def test_the_docs_example_runs(pulsar_broker: LocalPulsar, db: str) -> None:
-    """docs/pulsar.md's Python block, as written, against this broker and database."""
+def test_the_docs_examples_run(pulsar_broker: LocalPulsar, db: str) -> None:
+    """docs/pulsar.md's Python blocks (the writer's, then the pool's), as written, one after
+    the other against this broker and database."""
     text = (ROOT / "docs" / "pulsar.md").read_text(encoding="utf-8")
-    block = text.split("```python\n", 1)[1].split("```", 1)[0]
+    blocks = [part.split("```", 1)[0] for part in text.split("```python\n")[1:]]
+    assert len(blocks) == 2
     status, body = pulsar_broker.admin_request(
         "PUT", "/admin/v2/persistent/public/default/orders/partitions", 3)
     assert status in (200, 204, 409), body
-    run = subprocess.run([sys.executable, "-c", block], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, check=False,
-                         env={**os.environ, "PYTHONPATH": str(ROOT),
-                              "DUALWRITE_DATABASE_URL": db,
-                              "DUALWRITE_PULSAR_URL": pulsar_broker.service_url})
-    assert run.returncode == 0, run.stderr[-3000:]
+    for block in blocks:
+        run = subprocess.run([sys.executable, "-c", block], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120, check=False,
+                             env={**os.environ, "PYTHONPATH": str(ROOT),
+                                  "DUALWRITE_DATABASE_URL": db,
+                                  "DUALWRITE_PULSAR_URL": pulsar_broker.service_url})
+        assert run.returncode == 0, run.stderr[-3000:]
     engine = create_engine(db)
     with engine.connect() as conn:
-        assert conn.execute(sa.text("SELECT order_id FROM pulsar_orders_example")).all() \
-            == [("o-1",)]
-    assert (partition_for_key("o-1", 3), '{"order_id": "o-1"}', "o-1") in read_topic(
-        pulsar_broker.service_url, "persistent://public/default/orders")
+        assert conn.execute(sa.text(
+            "SELECT order_id FROM pulsar_orders_example ORDER BY order_id")).all() \
+            == [("o-1",), ("o-2",)]
+    messages = read_topic(pulsar_broker.service_url, "persistent://public/default/orders")
+    for order in ("o-1", "o-2"):
+        assert (partition_for_key(order, 3), f'{{"order_id": "{order}"}}', order) in messages
 
 
 # -- the crash matrix ---------------------------------------------------------------------------
