@@ -18,6 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -193,6 +194,26 @@ class LocalPulsar(LocalServer):
         if self.data_dir is None or not self.broker_port:
             raise DevClusterError("the broker was never started: call start() first")
         self._launch()
+        self._wait_writable(time.monotonic() + self.startup_timeout)
+
+    def _wait_writable(self, deadline: float) -> None:
+        """Wait until the broker can create a topic, i.e. its bookie takes writes again: after
+        a SIGKILL the admin API answers seconds before the in-process bookie has registered
+        (ledger creation fails with "Not enough non-faulty bookies" meanwhile)."""
+        probe = f"/admin/v2/persistent/public/default/dualwrite-ready-{uuid.uuid4().hex[:8]}"
+        while True:
+            try:
+                status, body = self.admin_request("PUT", probe, timeout=5.0)
+            except OSError as exc:
+                status, body = 0, str(exc)
+            if status in (200, 204, 409):
+                return
+            if time.monotonic() > deadline:
+                raise PulsarNotReadyError(
+                    f"Pulsar restarted but cannot create a topic within "
+                    f"{self.startup_timeout:.0f} s (HTTP {status}: {str(body)[:200]})"
+                    f"\n{tail(self.log_path, 30)}")
+            time.sleep(0.5)
 
     def _launch(self) -> None:
         assert self.data_dir is not None

@@ -9,10 +9,6 @@ otherwise.
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
-import json
 import os
 import shutil
 import signal
@@ -20,12 +16,12 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from dualwrite.dev.pulsar_cluster import DEFAULT_PULSAR_VERSION, LocalPulsar
+from tests.support.pulsar.broker import token_auth_pulsar
 from tests.support.pulsar.probe import EndResult, TxnProbe
 
 pytestmark = [
@@ -228,14 +224,6 @@ def test_transaction_buffer_stats_tell_aborted_only(scenario: Scenario) -> None:
 OWNER_ROLE, OTHER_ROLE, SUPER_ROLE = "alice", "bob", "admin"
 
 
-def _jwt(secret: bytes, subject: str) -> str:
-    def b64(data: bytes) -> str:
-        return base64.urlsafe_b64encode(data).decode().rstrip("=")
-
-    signing = b64(b'{"alg":"HS256"}') + "." + b64(json.dumps({"sub": subject}).encode())
-    return signing + "." + b64(hmac.new(secret, signing.encode(), hashlib.sha256).digest())
-
-
 @dataclass
 class AuthScenario:
     """Ends of transactions a SIGKILLed ``alice`` opened, by other roles and by alice again."""
@@ -251,28 +239,8 @@ class AuthScenario:
 
 @pytest.fixture(scope="module")
 def auth_scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthScenario]:
-    secret = os.urandom(32)
-    key = tmp_path_factory.mktemp("pulsar-auth") / "secret.key"
-    key.write_bytes(secret)
-    tokens = {role: _jwt(secret, role) for role in (OWNER_ROLE, OTHER_ROLE, SUPER_ROLE)}
-    config = {
-        "authenticationEnabled": "true",
-        "authorizationEnabled": "true",
-        "authenticationProviders":
-            "org.apache.pulsar.broker.authentication.AuthenticationProviderToken",
-        "tokenSecretKey": Path(key).as_uri(),
-        "superUserRoles": SUPER_ROLE,
-        "brokerClientAuthenticationPlugin":
-            "org.apache.pulsar.client.impl.auth.AuthenticationToken",
-        "brokerClientAuthenticationParameters": f"token:{tokens[SUPER_ROLE]}",
-    }
-    with LocalPulsar(extra_config=config, admin_token=tokens[SUPER_ROLE]) as pulsar:
-        for role in (OWNER_ROLE, OTHER_ROLE):
-            for ns, actions in (("public/default", ["produce", "consume"]),
-                                ("pulsar/system", ["consume"])):
-                status, body = pulsar.admin_request(
-                    "POST", f"/admin/v2/namespaces/{ns}/permissions/{role}", actions)
-                assert status == 204, (status, body)
+    with token_auth_pulsar(tmp_path_factory.mktemp("pulsar-auth"), (OWNER_ROLE, OTHER_ROLE),
+                           SUPER_ROLE) as (pulsar, tokens):
         probes = {role: TxnProbe(pulsar.classpath, pulsar.service_url, token)
                   for role, token in tokens.items()}
         run = uuid.uuid4().hex[:8]

@@ -224,5 +224,16 @@ def server_error(code: int, message: str, context: str) -> PulsarError:
     """The exception for a broker's ``ServerError`` answer to ``context`` (e.g. ``END_TXN
     COMMIT (0,5)``). ``message`` is the broker's text, cut to a bounded length."""
     info = error_info(code)
+    if code == 24 and _NOT_THE_OWNER in message:
+        # With authorization on, the coordinator answers another role's END_TXN with
+        # TransactionNotFound and this text (TransactionMetadataStoreService's owner check):
+        # the transaction is there, this role may not end it; asking its anchor would only
+        # wait for an outcome nobody is deciding.
+        info = PulsarErrorInfo(code, info.name, PulsarAuthError,
+                               "Use the role that opened the transaction (the writer's token) "
+                               "or a super user's.")
     text = f"{context}: {info.name} (server error {code}): {message[:500]}. {info.advice}"
     return info.kind(text, info)
+
+
+_NOT_THE_OWNER = "is neither the owner of the transaction"

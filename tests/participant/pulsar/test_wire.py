@@ -131,6 +131,12 @@ def test_error_codes_map_to_what_the_caller_does_next() -> None:
     for code in (6, 14, 20, 21):  # ServiceNotReady, TooManyRequests, TC not found, committing
         assert isinstance(server_error(code, "", ""), RetriableError), code
     assert isinstance(server_error(3, "", ""), PulsarAuthError)
+    # The owner check (authorization on) answers TransactionNotFound for a transaction that
+    # exists: a role to change, not an outcome to read (tests/writer/pulsar/test_pulsar_auth.py).
+    other_role = server_error(24, "Client (bob) is neither the owner of the transaction (0,7) "
+                              "nor a super user", "END_TXN COMMIT (0,7)")
+    assert isinstance(other_role, PulsarAuthError) and other_role.code_name == "TransactionNotFound"
+    assert "role that opened the transaction" in str(other_role)
     assert error_info(999).name == "ServerError999"
     e = server_error(20, "x" * 5000, "NEW_TXN")
     assert e.code == 20 and e.code_name == "TransactionCoordinatorNotFound" and len(str(e)) < 900

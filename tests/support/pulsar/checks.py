@@ -29,10 +29,11 @@ ALL_DATABASES = pytest.mark.parametrize("db", ["postgresql", "mariadb", "sqlite"
                                         indirect=True)
 
 
-def read_topic(url: str, topic: str, wait_s: float = 1.5) -> list[tuple[int, str, str | None]]:
+def read_topic(url: str, topic: str, wait_s: float = 1.5,
+               token: str | None = None) -> list[tuple[int, str, str | None]]:
     """(partition, value, key) of every message dispatched to a read-committed reader."""
     out = []
-    with PulsarTxnClient(url, timeout_s=20) as client:
+    with PulsarTxnClient(url, timeout_s=20, token=token) as client:
         for index, partition in enumerate(client.partitions(topic)):
             deadline = time.monotonic() + wait_s
             with client.reader(partition, MessageId(0, 0)) as reader:
@@ -66,19 +67,42 @@ def open_transactions(broker: LocalPulsar) -> int:
     return sum(int(tc["ongoingTxnSize"]) for tc in stats.values())
 
 
+# Broker log lines that tell why a transaction stays counted (docs/broker-facts.md): the
+# coordinator gave up ending it, or a finished one stayed in its map after a failed delete.
+_WHY_STILL_OPEN = ("End transaction fail", "Failed to delete", "non-faulty bookies",
+                   "Transaction Buffer")
+
+
+def still_open(broker: LocalPulsar) -> str:
+    """What the coordinator counts as ongoing, with each transaction's status, and the broker
+    log's lines that explain a stuck one: for an assertion's message."""
+    try:
+        status, slow = broker.admin_request(
+            "GET", "/admin/v3/transactions/slowTransactions/0?coordinatorId=0", timeout=10)
+    except OSError as exc:
+        status, slow = 0, f"{type(exc).__name__}: {exc}"
+    lines = [line.strip()[:300] for line in
+             broker.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+             if any(w in line for w in _WHY_STILL_OPEN)]
+    found = ({txn: (m.get("status"), m.get("openTimestamp"), m.get("timeoutAt"))
+              for txn, m in slow.items()} if status == 200 and isinstance(slow, dict)
+             else (status, slow))
+    return f"still counted: {found}; broker log: {lines[-12:]}"
+
+
 def wait_until_none_open(broker: LocalPulsar, within_s: float) -> None:
     deadline = time.monotonic() + within_s
     while open_transactions(broker) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert open_transactions(broker) == 0
+    assert open_transactions(broker) == 0, still_open(broker)
 
 
 def assert_invariant(broker: LocalPulsar, db: str, topic: str,
-                     expected: set[int] | None = None) -> list[int]:
+                     expected: set[int] | None = None, token: str | None = None) -> list[int]:
     """Rows == messages read, each once, keyed like Pulsar's Java client routes them, and
     nothing open at the coordinator. Returns the ids."""
     wait_until_none_open(broker, within_s=30)
-    messages = read_topic(broker.service_url, topic)
+    messages = read_topic(broker.service_url, topic, token=token)
     ids = [int(v) for _, v, _ in messages]
     assert len(ids) == len(set(ids)), f"duplicated messages: {sorted(ids)}"
     assert sorted(ids) == rows(db)

@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import sqlalchemy as sa
 from sqlalchemy import Connection
@@ -120,7 +121,8 @@ def run_pool(args: argparse.Namespace) -> int:
                     os.kill(os.getpid(), signal.SIGKILL)
 
     with PulsarDualWriterPool(args.db, args.pulsar, id_prefix=args.writer, size=args.pool,
-                              txn_timeout_s=args.txn_timeout, timeout_s=20) as pool:
+                              txn_timeout_s=args.txn_timeout, timeout_s=20,
+                              token=args.token) as pool:
         threads = [threading.Thread(target=serve, args=(pool,)) for _ in range(args.threads)]
         for t in threads:
             t.start()
@@ -144,10 +146,13 @@ def main() -> int:
                    help="retry retriable errors, go on after unknown outcomes")
     p.add_argument("--acknowledge-hook", action="store_true",
                    help="pass on_heuristic_abort (prints HOOK <state>)")
+    p.add_argument("--token-file", help="Pulsar token authentication: the token's file")
     p.add_argument("--pool", type=int, help="run through a pool of this many writers")
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--kill-after", type=int)
     args = p.parse_args()
+    args.token = (Path(args.token_file).read_text(encoding="utf-8").strip()
+                  if args.token_file else None)
     if args.pool:
         return run_pool(args)
 
@@ -157,6 +162,7 @@ def main() -> int:
     hooks = KillAt(args.phase)
     writer = PulsarDualWriter(args.db, args.pulsar, writer_id=args.writer,
                               txn_timeout_s=args.txn_timeout, timeout_s=20, hooks=hooks,
+                              token=args.token,
                               on_heuristic_abort=hook if args.acknowledge_hook else None)
     try:
         n = args.first
