@@ -4,7 +4,9 @@ Per transaction: lock the state row; commit the transaction the stored state nam
 writer has not seen it committed (the database decided it); open a Pulsar transaction; the block
 writes rows and queues messages; the messages are sent, then the anchor (the transaction's last
 message, on the writer's own anchor topic); the prepared state is written with the rows and **the
-database COMMIT is the decision**; then the Pulsar transaction is committed by its TxnID.
+database COMMIT is the decision**; then the Pulsar transaction is committed by its TxnID, and
+the writer's durable subscription on its anchor topic lets older anchors go (keeping the topic,
+and the anchor the row names, for recovery).
 
 Pulsar differs from Kafka where it matters here (docs/broker-facts.md, "Pulsar transactions"):
 a transaction is named by a TxnID that any process may end, so nothing is fenced and nothing
@@ -20,6 +22,7 @@ import contextlib
 import logging
 import re
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -36,6 +39,8 @@ from dualwrite.errors import (
     TransactionStateError,
 )
 from dualwrite.participant.pulsar import (
+    AnchorSubscription,
+    PulsarError,
     PulsarOutcomeUnknownError,
     PulsarParticipant,
     PulsarPreparedTxn,
@@ -53,6 +58,11 @@ __all__ = ["PulsarDualWriter", "PulsarPhaseHooks", "PulsarTransaction", "QueuedM
 log = logging.getLogger(__name__)
 
 _TOPIC_SAFE = re.compile(r"[A-Za-z0-9_.=-]+")
+
+ANCHOR_SUBSCRIPTION = "dualwrite-anchors"
+"""The durable subscription each writer keeps on its anchor topic (:meth:`PulsarDualWriter.
+_keep_anchors`)."""
+_ANCHORS_RETRY_S = 60.0
 
 
 def partition_for_key(key: str, partitions: int) -> int:
@@ -196,6 +206,8 @@ class PulsarDualWriter:
         self._settled = ""
         """The last state this writer saw committed in Pulsar: found stored, nothing to do."""
         self._partitions: dict[str, list[str]] = {}
+        self._anchors: AnchorSubscription | None = None
+        self._anchors_retry_at = 0.0
         self._round_robin = 0
         self._busy = threading.Lock()
         self._closed = False
@@ -222,6 +234,8 @@ class PulsarDualWriter:
             except DualWriteError as exc:  # the next start checks the anchor instead
                 log.info("writer_id=%s: could not clear the state row: %s", self.writer_id, exc)
         self._drop_connection()
+        if self._anchors is not None:
+            self._anchors.close()
         self._client.close()
 
     @contextlib.contextmanager
@@ -328,6 +342,7 @@ class PulsarDualWriter:
             self._store.write(conn, self.writer_id, "")
             return
         self._settled = stored
+        self._keep_anchors(prepared)
 
     def _send(self, tx: PulsarTransaction) -> None:
         """Send the queued messages, grouped by partition (order kept within each)."""
@@ -390,7 +405,31 @@ class PulsarDualWriter:
                 "--pulsar-url` commits them (do not write them again)") from exc
         self._settled = state
         log.info("writer_id=%s: transaction %s committed", self.writer_id, prepared.txn)
+        self._keep_anchors(prepared)
         self._hooks.committed(prepared)
+
+    def _keep_anchors(self, prepared: PulsarPreparedTxn) -> None:
+        """Keep the anchor the row now names, and let older ones go, through the writer's
+        durable subscription on its anchor topic: without one, Pulsar deletes the topic once
+        no producer has used it for a while (``brokerDeleteInactiveTopicsEnabled``, on by
+        default) or trims its ledgers, and a crash then leaves the committed transaction's
+        outcome unreadable. Best effort: a failure is logged and tried again a minute later
+        (not at each transaction: making the subscription may wait up to ``timeout_s``)."""
+        try:
+            if self._anchors is None or self._anchors.closed:
+                if time.monotonic() < self._anchors_retry_at:
+                    return
+                self._anchors_retry_at = time.monotonic() + _ANCHORS_RETRY_S
+                self._anchors = self._client.anchor_subscription(self.anchor_topic,
+                                                                 ANCHOR_SUBSCRIPTION)
+            self._anchors.keep_from(prepared.anchor, time.monotonic() + self.timeout_s)
+        except PulsarError as exc:
+            log.warning("writer_id=%s: cannot keep the anchors of %s with subscription %s "
+                        "(%s); an anchor may be deleted before recovery reads it",
+                        self.writer_id, self.anchor_topic, ANCHOR_SUBSCRIPTION, exc)
+            if self._anchors is not None:
+                self._anchors.close()
+                self._anchors = None
 
     def _undo(self, conn: GuardedConnection, exc: BaseException) -> None:
         """Roll both sides back after a failure before the decision; raise what a statement

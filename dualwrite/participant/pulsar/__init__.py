@@ -35,9 +35,15 @@ from dualwrite.participant.pulsar.participant import (
     PulsarTxnOutcome,
     txn_outcome,
 )
-from dualwrite.participant.pulsar.reader import PartitionReader, ReceivedEntry, ReceivedMessage
+from dualwrite.participant.pulsar.reader import (
+    AnchorSubscription,
+    PartitionReader,
+    ReceivedEntry,
+    ReceivedMessage,
+)
 
 __all__ = [
+    "AnchorSubscription",
     "InvalidTxnStatusError",
     "MessageId",
     "PartitionReader",

@@ -27,7 +27,7 @@ from dualwrite.participant.pulsar.errors import (
     TransactionNotFoundError,
     server_error,
 )
-from dualwrite.participant.pulsar.reader import PartitionReader
+from dualwrite.participant.pulsar.reader import AnchorSubscription, PartitionReader
 
 __all__ = ["TC_ASSIGN_TOPIC", "PulsarTxnClient", "full_topic_name"]
 
@@ -194,6 +194,20 @@ class PulsarTxnClient:
                                         token=self._token, proxy_to_broker_url=target.proxy_to)
 
         return self._retrying(deadline, open_reader)
+
+    def anchor_subscription(self, topic: str, subscription: str) -> AnchorSubscription:
+        """A durable subscription keeping ``topic``'s anchors (:class:`AnchorSubscription`),
+        on its own connection to the topic's owner; close it after."""
+        deadline = self._deadline()
+        name = full_topic_name(topic)
+
+        def subscribe() -> AnchorSubscription:
+            target = self._lookup(name, deadline)
+            return AnchorSubscription.open(target.host, target.port, name, subscription,
+                                           deadline, token=self._token,
+                                           proxy_to_broker_url=target.proxy_to)
+
+        return self._retrying(deadline, subscribe)
 
     def partitions(self, topic: str) -> list[str]:
         """The partition names of ``topic`` (itself when it is not partitioned)."""

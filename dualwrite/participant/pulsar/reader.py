@@ -27,12 +27,14 @@ from dualwrite.participant.pulsar.errors import (
     PulsarUnsupportedError,
 )
 
-__all__ = ["PartitionReader", "ReceivedEntry", "ReceivedMessage"]
+__all__ = ["AnchorSubscription", "PartitionReader", "ReceivedEntry", "ReceivedMessage"]
 
 log = logging.getLogger(__name__)
 
 _U32 = struct.Struct(">I")
 _DEFAULT_PERMITS = 1000
+_consumer_ids = itertools.count()
+"""Consumer ids of this process (each connection is a consumer's own, so any unique id does)."""
 
 
 @dataclass(frozen=True)
@@ -132,8 +134,6 @@ class PartitionReader:
     :meth:`close`. Not thread-safe.
     """
 
-    _consumer_ids = itertools.count()
-
     def __init__(self, conn: Connection, topic: str, consumer_id: int,
                  permits: int) -> None:
         self._conn = conn
@@ -163,7 +163,7 @@ class PartitionReader:
         conn = Connection.open(host, port, deadline, token=token,
                                proxy_to_broker_url=proxy_to_broker_url)
         try:
-            consumer_id = next(cls._consumer_ids)
+            consumer_id = next(_consumer_ids)
             rid = conn.next_request_id()
             subscribe = pb.CommandSubscribe(
                 topic=topic, subscription=f"dualwrite-reader-{uuid.uuid4().hex[:12]}",
@@ -239,3 +239,66 @@ class PartitionReader:
             consumer_id=self._consumer_id, messagePermits=grant)), deadline,
             f"FLOW on {self.topic}")
         self._available += grant
+
+
+class AnchorSubscription:
+    """A durable subscription on a writer's anchor topic that keeps what a stored state may
+    still name: Pulsar deletes a topic without subscriptions once it is inactive (by default
+    60 s after its last producer left) and trims the ledgers every subscription has consumed,
+    either of which leaves a committed transaction's outcome unreadable after a crash.
+
+    The consumer takes no messages (no FLOW); :meth:`keep_from` acknowledges cumulatively up
+    to the entry before the anchor the writer's row names now, so older anchors may go.
+    Made by :meth:`open` (or ``PulsarTxnClient.anchor_subscription``). Not thread-safe.
+    """
+
+    def __init__(self, conn: Connection, topic: str, consumer_id: int) -> None:
+        self._conn = conn
+        self.topic = topic
+        self._consumer_id = consumer_id
+
+    def __repr__(self) -> str:
+        return f"AnchorSubscription({self.topic!r}, closed={self.closed})"
+
+    @property
+    def closed(self) -> bool:
+        return self._conn.closed
+
+    @classmethod
+    def open(cls, host: str, port: int, topic: str, subscription: str, deadline: float, *,
+             token: str | None = None,
+             proxy_to_broker_url: str | None = None) -> AnchorSubscription:
+        """Subscribe to ``topic`` as ``subscription`` (Exclusive, durable; made at the topic's
+        earliest entry the first time, so nothing stored is given up by making it)."""
+        conn = Connection.open(host, port, deadline, token=token,
+                               proxy_to_broker_url=proxy_to_broker_url)
+        try:
+            consumer_id = next(_consumer_ids)
+            rid = conn.next_request_id()
+            subscribe = pb.CommandSubscribe(
+                topic=topic, subscription=subscription, subType=pb.CommandSubscribe.Exclusive,
+                consumer_id=consumer_id, request_id=rid, durable=True, read_compacted=False,
+                initialPosition=pb.CommandSubscribe.Earliest, force_topic_creation=True)
+            conn.request(pb.BaseCommand(type=pb.BaseCommand.SUBSCRIBE, subscribe=subscribe),
+                         rid, deadline, f"SUBSCRIBE {subscription} to {topic}")
+        except BaseException:
+            conn.close()
+            raise
+        log.debug("keeping anchors of %s with subscription %s", topic, subscription)
+        return cls(conn, topic, consumer_id)
+
+    def keep_from(self, anchor: MessageId, deadline: float) -> None:
+        """Let the entries before ``anchor`` go: a cumulative ACK of the one before it (the
+        broker does not answer; a lost ACK only keeps more). An anchor at an entry 0 keeps
+        its whole ledger and what came before."""
+        if anchor.entry_id == 0:
+            return
+        self._conn.write_command(pb.BaseCommand(type=pb.BaseCommand.ACK, ack=pb.CommandAck(
+            consumer_id=self._consumer_id, ack_type=pb.CommandAck.Cumulative,
+            message_id=[pb.MessageIdData(ledgerId=anchor.ledger_id,
+                                         entryId=anchor.entry_id - 1)])),
+            deadline, f"ACK on {self.topic}")
+
+    def close(self) -> None:
+        """Close the connection: the subscription stays, at the position last acknowledged."""
+        self._conn.close()
