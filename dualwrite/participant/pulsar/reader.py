@@ -15,6 +15,7 @@ import logging
 import struct
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from dualwrite.participant.pulsar import pulsar_api_pb2 as pb
 from dualwrite.participant.pulsar._wire import Connection, MessageId, TxnId
@@ -127,6 +128,26 @@ def _next_command(conn: Connection, deadline: float, what: str
     return cmd, None
 
 
+def _subscribe(host: str, port: int, deadline: float, token: str | None,
+               proxy_to_broker_url: str | None, **fields: Any) -> tuple[Connection, int]:
+    """A new connection to the topic's broker with one Exclusive consumer subscribed
+    (``fields`` of ``CommandSubscribe`` besides the ids); the connection and the consumer id."""
+    conn = Connection.open(host, port, deadline, token=token,
+                           proxy_to_broker_url=proxy_to_broker_url)
+    try:
+        consumer_id = next(_consumer_ids)
+        rid = conn.next_request_id()
+        subscribe = pb.CommandSubscribe(subType=pb.CommandSubscribe.Exclusive,
+                                        consumer_id=consumer_id, request_id=rid,
+                                        read_compacted=False, **fields)
+        conn.request(pb.BaseCommand(type=pb.BaseCommand.SUBSCRIBE, subscribe=subscribe), rid,
+                     deadline, f"SUBSCRIBE {fields['subscription']} to {fields['topic']}")
+    except BaseException:
+        conn.close()
+        raise
+    return conn, consumer_id
+
+
 class PartitionReader:
     """Reads one topic partition from a start message on, without a durable cursor.
 
@@ -160,22 +181,15 @@ class PartitionReader:
         non-partitioned topic), subscribe from ``start`` (inclusive) and grant permits."""
         if start.ledger_id < 0 or start.entry_id < 0:
             raise PulsarFatalError(f"read {topic}: invalid start message id {start}")
-        conn = Connection.open(host, port, deadline, token=token,
-                               proxy_to_broker_url=proxy_to_broker_url)
+        conn, consumer_id = _subscribe(
+            host, port, deadline, token, proxy_to_broker_url, topic=topic,
+            subscription=f"dualwrite-reader-{uuid.uuid4().hex[:12]}",
+            durable=False, force_topic_creation=False,
+            start_message_id=pb.MessageIdData(ledgerId=start.ledger_id, entryId=start.entry_id,
+                                              partition=start.partition,
+                                              batch_index=start.batch_index))
+        reader = cls(conn, topic, consumer_id, permits)
         try:
-            consumer_id = next(_consumer_ids)
-            rid = conn.next_request_id()
-            subscribe = pb.CommandSubscribe(
-                topic=topic, subscription=f"dualwrite-reader-{uuid.uuid4().hex[:12]}",
-                subType=pb.CommandSubscribe.Exclusive, consumer_id=consumer_id, request_id=rid,
-                durable=False, read_compacted=False, force_topic_creation=False,
-                start_message_id=pb.MessageIdData(ledgerId=start.ledger_id,
-                                                  entryId=start.entry_id,
-                                                  partition=start.partition,
-                                                  batch_index=start.batch_index))
-            conn.request(pb.BaseCommand(type=pb.BaseCommand.SUBSCRIBE, subscribe=subscribe),
-                         rid, deadline, f"SUBSCRIBE to {topic}")
-            reader = cls(conn, topic, consumer_id, permits)
             reader.flow(deadline)
         except BaseException:
             conn.close()
@@ -270,20 +284,10 @@ class AnchorSubscription:
              proxy_to_broker_url: str | None = None) -> AnchorSubscription:
         """Subscribe to ``topic`` as ``subscription`` (Exclusive, durable; made at the topic's
         earliest entry the first time, so nothing stored is given up by making it)."""
-        conn = Connection.open(host, port, deadline, token=token,
-                               proxy_to_broker_url=proxy_to_broker_url)
-        try:
-            consumer_id = next(_consumer_ids)
-            rid = conn.next_request_id()
-            subscribe = pb.CommandSubscribe(
-                topic=topic, subscription=subscription, subType=pb.CommandSubscribe.Exclusive,
-                consumer_id=consumer_id, request_id=rid, durable=True, read_compacted=False,
-                initialPosition=pb.CommandSubscribe.Earliest, force_topic_creation=True)
-            conn.request(pb.BaseCommand(type=pb.BaseCommand.SUBSCRIBE, subscribe=subscribe),
-                         rid, deadline, f"SUBSCRIBE {subscription} to {topic}")
-        except BaseException:
-            conn.close()
-            raise
+        conn, consumer_id = _subscribe(
+            host, port, deadline, token, proxy_to_broker_url, topic=topic,
+            subscription=subscription, durable=True,
+            initialPosition=pb.CommandSubscribe.Earliest, force_topic_creation=True)
         log.debug("keeping anchors of %s with subscription %s", topic, subscription)
         return cls(conn, topic, consumer_id)
 
