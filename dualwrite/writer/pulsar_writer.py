@@ -415,6 +415,8 @@ class PulsarDualWriter:
         default) or trims its ledgers, and a crash then leaves the committed transaction's
         outcome unreadable. Best effort: a failure is logged and tried again a minute later
         (not at each transaction: making the subscription may wait up to ``timeout_s``)."""
+        if prepared.anchor_topic != self.anchor_topic:  # a row from before anchor_topic changed
+            return
         try:
             if self._anchors is None or self._anchors.closed:
                 if time.monotonic() < self._anchors_retry_at:

@@ -5,9 +5,7 @@ Every check ends with the invariant of tests/support/pulsar/checks.py."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import threading
 from typing import TYPE_CHECKING
 
@@ -20,10 +18,10 @@ from dualwrite.pulsar import PulsarDualWriterPool, PulsarTransaction
 from dualwrite.writer import StateStore
 from tests.support.cli import dw
 from tests.support.pulsar.checks import (
-    ROOT,
     assert_invariant,
     recover_cli,
     wait_until_none_open,
+    worker,
 )
 from tests.support.workers.pulsar_worker import ORDERS
 
@@ -105,13 +103,8 @@ def test_sigkill_under_load_then_recover(pulsar_broker: LocalPulsar, db: str, to
     prefix = f"pp-kill-{then}"
 
     def pool_worker(first: int, count: int, *extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "tests.support.workers.pulsar_worker", "--db", db,
-             "--pulsar", pulsar_broker.service_url, "--writer", prefix, "--topic", topic,
-             "--first", str(first), "--count", str(count), "--pool", "4", "--threads", "6",
-             "--txn-timeout", "15", *extra],
-            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-            text=True, timeout=180, check=False)
+        return worker(pulsar_broker, db, topic, prefix, first, count, "--pool", "4",
+                      "--threads", "6", "--txn-timeout", "15", *extra)
 
     killed = pool_worker(0, 400, "--kill-after", "30")
     assert killed.returncode == -9 and "KILL" in killed.stdout, killed.stdout + killed.stderr
